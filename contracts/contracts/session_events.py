@@ -1,0 +1,129 @@
+"""Commands and replies of the `session_events` service."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+from pydantic import Field, StringConstraints
+
+from contracts.common import Actor, Message, ProjectId
+from contracts.events import Event
+
+# Size of one event payload, serialised. Larger artifacts belong in a blob store;
+# the log keeps what a person or a model reads.
+MAX_EVENT_PAYLOAD_BYTES = 256 * 1024
+
+SessionStatus = Literal["open", "closed", "closed_abnormally"]
+
+
+class OpenSession(Message):
+    """`cmd.sessions.open`: start a session in a project."""
+
+    project_id: ProjectId
+    opened_by: Actor
+
+
+class SessionOpenedReply(Message):
+    """The new session and its `session.opened` event."""
+
+    session_id: UUID
+    event_id: UUID
+
+
+class AppendEvent(Message):
+    """`cmd.events.append`: append one event to a session's log."""
+
+    session_id: UUID
+    type: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    actor: Actor
+    payload: dict[str, Any]
+    causation_id: UUID | None = None
+    idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
+
+
+class AppendedReply(Message):
+    """Where the event landed; `duplicate` when an idempotency key matched an earlier append."""
+
+    event_id: UUID
+    seq: int
+    duplicate: bool = False
+
+
+class GetEvents(Message):
+    """`cmd.events.get`: events by id (ids that do not exist are listed in `missing`)."""
+
+    event_ids: list[UUID] = Field(min_length=1, max_length=1000)
+
+
+class EventsReply(Message):
+    """Events in `seq` order within each session."""
+
+    events: list[Event]
+    missing: list[UUID] = Field(default_factory=list)
+
+
+class ListEvents(Message):
+    """`cmd.events.list`: a session's events after `after_seq`, in `seq` order."""
+
+    session_id: UUID
+    after_seq: int = Field(default=0, ge=0)
+    limit: int = Field(default=500, ge=1, le=1000)
+
+
+class QueryEvents(Message):
+    """`cmd.events.query`: a project's events of the given types, oldest first."""
+
+    project_id: ProjectId
+    types: list[str] = Field(min_length=1, max_length=32)
+    limit: int = Field(default=1000, ge=1, le=5000)
+
+
+class SessionRef(Message):
+    """`cmd.sessions.heartbeat` and `cmd.sessions.get`: the session addressed."""
+
+    session_id: UUID
+
+
+class CloseSession(Message):
+    """`cmd.sessions.close`: end a session normally (termination reason stays null)."""
+
+    session_id: UUID
+    closed_by: Actor | None = None
+
+
+class TerminateSession(Message):
+    """`cmd.sessions.terminate`: end a session abnormally, keeping the reason."""
+
+    session_id: UUID
+    reason: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=4000)]
+
+
+class SessionClosedReply(Message):
+    """The session's new status and the closing event."""
+
+    session_id: UUID
+    status: SessionStatus
+    event_id: UUID
+
+
+class HeartbeatReply(Message):
+    """When the heartbeat was recorded."""
+
+    session_id: UUID
+    last_heartbeat_at: datetime
+
+
+class SessionView(Message):
+    """A session's state as `cmd.sessions.get` reports it."""
+
+    session_id: UUID
+    project_id: ProjectId
+    opened_by: Actor
+    status: SessionStatus
+    termination_reason: str | None
+    opened_at: datetime
+    closed_at: datetime | None
+    last_heartbeat_at: datetime | None
+    event_count: int

@@ -1,0 +1,44 @@
+"""Every subject of the bus. The only module where a subject string is written."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from contracts.events import EventType
+
+# Commands: request/reply on core NATS, one queue group per service.
+SESSIONS_OPEN = "cmd.sessions.open"
+SESSIONS_CLOSE = "cmd.sessions.close"
+SESSIONS_TERMINATE = "cmd.sessions.terminate"
+SESSIONS_HEARTBEAT = "cmd.sessions.heartbeat"
+SESSIONS_GET = "cmd.sessions.get"
+EVENTS_APPEND = "cmd.events.append"
+EVENTS_GET = "cmd.events.get"
+EVENTS_LIST = "cmd.events.list"
+EVENTS_QUERY = "cmd.events.query"
+
+
+def event_subject(event_type: EventType, project_id: str, session_id: UUID | str) -> str:
+    """`<domain>.<name>.<project_id>.<session_id>`: where a committed event is published."""
+    return f"{event_type.value}.{project_id}.{session_id}"
+
+
+def event_filter(event_type: EventType, project_id: str = "*", session_id: str = "*") -> str:
+    """A subject filter for one event type, e.g. every `session.closed` of every project."""
+    return f"{event_type.value}.{project_id}.{session_id}"
+
+
+def delta_subject(project_id: str, session_id: UUID | str) -> str:
+    """Where a streaming turn's text deltas go, token by token."""
+    return f"agent.delta.{project_id}.{session_id}"
+
+
+def done_subject(project_id: str, session_id: UUID | str) -> str:
+    """Where a streaming turn is closed."""
+    return f"agent.done.{project_id}.{session_id}"
+
+
+# Where exhausted or terminated deliveries are announced (see servicekit.consumer).
+DEAD_LETTER_PREFIX = "deadletter"
+MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>"
+MSG_TERMINATED_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.>"

@@ -1,0 +1,178 @@
+"""What the session log accepts (ADR 0008 decisions 5-6, ADR 0182 decision 1, ADR 0015).
+
+Invariants kept here, so no prompt has to keep them:
+- only the event types of `contracts.events.EventType` exist; `session.*` events are
+  written by the log itself (open/close/terminate), never appended by a caller;
+- every payload validates against its contract model;
+- a closed session refuses conversation (chat, agent, artifact, readiness) but still
+  records system facts about it (handoff and psychologist events, RN-581);
+- `artifact.product_brief` comes only from `agent:criativo`, as the consequence of a
+  person's `criativo.readiness_confirmed` in the same session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+from uuid import UUID
+
+from pydantic import ValidationError
+
+from contracts.common import ErrorCode, Message
+from contracts.events import PAYLOADS, EventType
+from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES
+from domain.errors import DomainError
+
+
+class ClosedSession(Enum):
+    """What a closed session does with an event of a given domain."""
+
+    REFUSE = "refuse"
+    ACCEPT = "accept"
+
+
+# By event domain (the type's first token). Anything not listed is refused: a new
+# domain must say here whether it is conversation or a system fact.
+CLOSED_SESSION_POLICY: dict[str, ClosedSession] = {
+    "chat": ClosedSession.REFUSE,
+    "agent": ClosedSession.REFUSE,
+    "artifact": ClosedSession.REFUSE,
+    "criativo": ClosedSession.REFUSE,
+    "handoff": ClosedSession.ACCEPT,
+    "psychologist": ClosedSession.ACCEPT,
+}
+
+# Written only by the log's own commands (open, close, terminate, reaper).
+RESERVED_DOMAINS = frozenset({"session"})
+
+# Types only one actor may write.
+SOLE_AUTHORS: dict[EventType, str] = {
+    EventType.ARTIFACT_PRODUCT_BRIEF: "agent:criativo",
+}
+
+# Types that must be caused by an event of a given type, written by a person.
+REQUIRED_CAUSE: dict[EventType, EventType] = {
+    EventType.ARTIFACT_PRODUCT_BRIEF: EventType.CRIATIVO_READINESS_CONFIRMED,
+}
+
+
+@dataclass(frozen=True)
+class CausationFacts:
+    """The event named by `causation_id`, as the log found it."""
+
+    event_id: UUID
+    session_id: UUID
+    type: str
+    actor: str
+
+
+def session_not_found(session_id: UUID) -> DomainError:
+    """The refusal for a session id the log does not know."""
+    return DomainError(
+        ErrorCode.SESSION_NOT_FOUND, f"session {session_id} does not exist",
+        session_id=str(session_id),
+    )
+
+
+def known_event_type(raw: str) -> EventType:
+    """The event type named by `raw`, refused when the contracts do not define it."""
+    try:
+        return EventType(raw)
+    except ValueError:
+        raise DomainError(
+            ErrorCode.UNKNOWN_EVENT_TYPE,
+            f"unknown event type {raw!r}; known types: {', '.join(t.value for t in EventType)}",
+            type=raw,
+        ) from None
+
+
+def parse_event_type(raw: str) -> EventType:
+    """The type of an event a caller appends: known, and not one the log writes itself."""
+    event_type = known_event_type(raw)
+    if event_type.domain in RESERVED_DOMAINS:
+        raise DomainError(
+            ErrorCode.RESERVED_EVENT_TYPE,
+            f"{raw!r} is written by the session log itself; use cmd.sessions.open/close/terminate",
+            type=raw,
+        )
+    return event_type
+
+
+def check_payload_size(size_bytes: int) -> None:
+    """Refuse a payload larger than the log keeps."""
+    if size_bytes > MAX_EVENT_PAYLOAD_BYTES:
+        raise DomainError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"event payload is {size_bytes} bytes; the limit is {MAX_EVENT_PAYLOAD_BYTES}",
+            size_bytes=size_bytes,
+            limit_bytes=MAX_EVENT_PAYLOAD_BYTES,
+        )
+
+
+def validate_payload(event_type: EventType, payload: dict[str, Any]) -> Message:
+    """The payload parsed by its contract model, or a refusal listing every problem."""
+    try:
+        return PAYLOADS[event_type].model_validate(payload)
+    except ValidationError as exc:
+        problems = [
+            {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
+            for err in exc.errors(include_url=False, include_input=False)
+        ]
+        summary = "; ".join(f"{'.'.join(map(str, p['loc'])) or 'payload'}: {p['msg']}" for p in problems)
+        raise DomainError(
+            ErrorCode.INVALID_PAYLOAD,
+            f"invalid {event_type.value} payload: {summary}",
+            errors=problems,
+        ) from None
+
+
+def check_append(
+    event_type: EventType,
+    actor: str,
+    session_id: UUID,
+    session_is_open: bool,
+    causation_id: UUID | None,
+    causation: CausationFacts | None,
+) -> None:
+    """Refuse an append the log's rules forbid; return quietly when it is allowed."""
+    if not session_is_open and (
+        CLOSED_SESSION_POLICY.get(event_type.domain, ClosedSession.REFUSE) is ClosedSession.REFUSE
+    ):
+        raise DomainError(
+            ErrorCode.SESSION_CLOSED,
+            f"session {session_id} is closed; {event_type.value} is conversation and is refused",
+            session_id=str(session_id),
+        )
+    author = SOLE_AUTHORS.get(event_type)
+    if author is not None and actor != author:
+        raise DomainError(
+            ErrorCode.ACTOR_NOT_ALLOWED,
+            f"{event_type.value} may only be written by {author}, not {actor}",
+            actor=actor,
+        )
+    if causation_id is not None and causation is None:
+        raise DomainError(
+            ErrorCode.CAUSATION_NOT_FOUND,
+            f"causation event {causation_id} does not exist",
+            causation_id=str(causation_id),
+        )
+    required = REQUIRED_CAUSE.get(event_type)
+    if required is not None and not _is_person_event_in(causation, required, session_id):
+        raise DomainError(
+            ErrorCode.BRIEF_REQUIRES_READINESS,
+            f"{event_type.value} must be caused by a person's {required.value} in the same "
+            "session; the brief is written only after the person confirms readiness",
+            causation_id=str(causation_id) if causation_id else None,
+        )
+
+
+def _is_person_event_in(
+    causation: CausationFacts | None, required: EventType, session_id: UUID
+) -> bool:
+    return (
+        causation is not None
+        and causation.type == required.value
+        and causation.actor.startswith("user:")
+        and causation.session_id == session_id
+    )

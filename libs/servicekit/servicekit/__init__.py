@@ -1,0 +1,1 @@
+"""The I/O plumbing every agentbus service shares."""

