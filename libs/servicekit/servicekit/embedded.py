@@ -64,10 +64,10 @@ def start_nats(state_dir: Path, max_payload_mb: int = 8) -> EmbeddedNats:
         f'ports_file_dir: "{ports_dir}"\n'
         f'jetstream {{ store_dir: "{store_dir}" }}\n'
     )
-    log = (state_dir / "nats.log").open("ab")
-    process = subprocess.Popen(
-        [nats_server_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT
-    )
+    with (state_dir / "nats.log").open("ab") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            [nats_server_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT
+        )
     deadline = time.monotonic() + NATS_START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:

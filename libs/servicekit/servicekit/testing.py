@@ -145,13 +145,13 @@ class ServiceProcess:
 
     def start(self, **extra_env: str) -> ServiceProcess:
         """Start the process (again), with `extra_env` added for this run only."""
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", self.module],
-            env={**self.env, **extra_env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        with self.log_path.open("ab") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module],
+                env={**self.env, **extra_env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         return self
 
     @property
@@ -173,6 +173,8 @@ class ServiceProcess:
                 with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
                     while True:
                         msg = await sub.next_msg(timeout=0.2)
+                        if not msg.data:  # "no responders" status: nobody is up yet
+                            break
                         meta = json.loads(msg.data).get("metadata") or {}
                         if meta.get("pid") == str(self.pid):
                             return
@@ -205,3 +207,41 @@ def spawn(service_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
     yield start
     for proc in started:
         proc.kill(signal.SIGTERM)
+
+
+async def wait_for(
+    probe: Any, *, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"
+) -> Any:
+    """Poll `probe()` (sync or async) until it returns something truthy; that value is returned.
+
+    This is waiting on the effect that proves an outcome, not a sleep standing in for it.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def stream_messages(nc: Client, stream: str, subject_filter: str) -> list[Any]:
+    """Every message of `stream` on `subject_filter`, read through an ephemeral consumer."""
+    js = nc.jetstream()
+    info = await js.stream_info(stream, subjects_filter=subject_filter)
+    total = sum((info.state.subjects or {}).values())
+    if total == 0:
+        return []
+    sub = await js.pull_subscribe(subject_filter, stream=stream)
+    try:
+        msgs: list[Any] = []
+        while len(msgs) < total:
+            msgs.extend(await sub.fetch(total - len(msgs), timeout=5))
+        for msg in msgs:
+            await msg.ack()
+        return msgs
+    finally:
+        await sub.unsubscribe()
