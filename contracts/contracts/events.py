@@ -12,11 +12,23 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
-from pydantic import Field, StringConstraints
+from pydantic import AfterValidator, Field, StrictInt, StringConstraints
 
 from contracts.common import Actor, AgentSlug, Message, ProjectId
 
 NonBlank = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must contain more than whitespace")
+    return text
+
+
+# A person's words are kept as typed (no stripping), but cannot be only whitespace.
+Utterance = Annotated[
+    str, StringConstraints(min_length=1, max_length=20_000), AfterValidator(_not_blank)
+]
 
 
 class EventType(StrEnum):
@@ -77,7 +89,7 @@ class SessionClosedAbnormally(Message):
 class ChatMessage(Message):
     """What a person said in the session."""
 
-    text: Annotated[str, StringConstraints(min_length=1, max_length=20_000)]
+    text: Utterance
     client_msg_id: str | None = None
 
 
@@ -164,10 +176,10 @@ class HandoffTransition(Message):
 class HandoffSuperseded(Message):
     """An offer stopped being current (ADR 0182 decision 1; field names as the ADR)."""
 
-    handoffId: UUID  # noqa: N815 - wire names fixed by ADR 0182
-    toAgent: AgentSlug  # noqa: N815
+    handoffId: UUID
+    toAgent: AgentSlug
     motivo: Literal["agente_ativado", "nova_oferta"]
-    substitutaId: UUID | None = None  # noqa: N815
+    substitutaId: UUID | None = None
 
 
 # --- psychologist (ADR 0015) -------------------------------------------------
@@ -180,7 +192,7 @@ class HypothesisProposed(Message):
     analysis_id: UUID
     target_agent: AgentSlug
     statement: NonBlank
-    confidence: int = Field(ge=0, le=100)
+    confidence: StrictInt = Field(ge=0, le=100)
     evidence_event_ids: list[UUID] = Field(min_length=1)
     termination_analysis: str | None = None
 

@@ -32,9 +32,12 @@ class ClosedSession(Enum):
     ACCEPT = "accept"
 
 
-# By event domain (the type's first token). Anything not listed is refused: a new
-# domain must say here whether it is conversation or a system fact.
+# By event type first, then by domain (the type's first token). Anything not listed
+# is refused: a new domain must say here whether it is conversation or a system fact.
 CLOSED_SESSION_POLICY: dict[str, ClosedSession] = {
+    # A turn that fails while the session closes is still recorded: a failure is never
+    # left without an outcome (ADR 0015 decision 5, ADR 0182 RN-116).
+    EventType.AGENT_ERROR.value: ClosedSession.ACCEPT,
     "chat": ClosedSession.REFUSE,
     "agent": ClosedSession.REFUSE,
     "artifact": ClosedSession.REFUSE,
@@ -46,10 +49,18 @@ CLOSED_SESSION_POLICY: dict[str, ClosedSession] = {
 # Written only by the log's own commands (open, close, terminate, reaper).
 RESERVED_DOMAINS = frozenset({"session"})
 
-# Types only one actor may write.
-SOLE_AUTHORS: dict[EventType, str] = {
+# Who may write a type: an exact actor, or every actor of a kind (`user:*`, a person).
+AUTHORS: dict[EventType, str] = {
+    EventType.CHAT_MESSAGE: "user:*",
+    # Readiness is the person's action, never the model's inference (ADR 0008 decision 5).
+    EventType.CRIATIVO_READINESS_CONFIRMED: "user:*",
     EventType.ARTIFACT_PRODUCT_BRIEF: "agent:criativo",
 }
+
+
+def _may_write(actor: str, author: str) -> bool:
+    return actor.startswith(author[:-1]) if author.endswith("*") else actor == author
+
 
 # Types that must be caused by an event of a given type, written by a person.
 REQUIRED_CAUSE: dict[EventType, EventType] = {
@@ -70,7 +81,8 @@ class CausationFacts:
 def session_not_found(session_id: UUID) -> DomainError:
     """The refusal for a session id the log does not know."""
     return DomainError(
-        ErrorCode.SESSION_NOT_FOUND, f"session {session_id} does not exist",
+        ErrorCode.SESSION_NOT_FOUND,
+        f"session {session_id} does not exist",
         session_id=str(session_id),
     )
 
@@ -82,7 +94,8 @@ def known_event_type(raw: str) -> EventType:
     except ValueError:
         raise DomainError(
             ErrorCode.UNKNOWN_EVENT_TYPE,
-            f"unknown event type {raw!r}; known types: {', '.join(t.value for t in EventType)}",
+            f"unknown event type {raw!r}; known types: "
+            + ", ".join(t.value for t in EventType if t.domain not in RESERVED_DOMAINS),
             type=raw,
         ) from None
 
@@ -119,7 +132,9 @@ def validate_payload(event_type: EventType, payload: dict[str, Any]) -> Message:
             {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
             for err in exc.errors(include_url=False, include_input=False)
         ]
-        summary = "; ".join(f"{'.'.join(map(str, p['loc'])) or 'payload'}: {p['msg']}" for p in problems)
+        summary = "; ".join(
+            f"{'.'.join(map(str, p['loc'])) or 'payload'}: {p['msg']}" for p in problems
+        )
         raise DomainError(
             ErrorCode.INVALID_PAYLOAD,
             f"invalid {event_type.value} payload: {summary}",
@@ -136,16 +151,17 @@ def check_append(
     causation: CausationFacts | None,
 ) -> None:
     """Refuse an append the log's rules forbid; return quietly when it is allowed."""
-    if not session_is_open and (
-        CLOSED_SESSION_POLICY.get(event_type.domain, ClosedSession.REFUSE) is ClosedSession.REFUSE
-    ):
+    policy = CLOSED_SESSION_POLICY.get(
+        event_type.value, CLOSED_SESSION_POLICY.get(event_type.domain, ClosedSession.REFUSE)
+    )
+    if not session_is_open and policy is ClosedSession.REFUSE:
         raise DomainError(
             ErrorCode.SESSION_CLOSED,
             f"session {session_id} is closed; {event_type.value} is conversation and is refused",
             session_id=str(session_id),
         )
-    author = SOLE_AUTHORS.get(event_type)
-    if author is not None and actor != author:
+    author = AUTHORS.get(event_type)
+    if author is not None and not _may_write(actor, author):
         raise DomainError(
             ErrorCode.ACTOR_NOT_ALLOWED,
             f"{event_type.value} may only be written by {author}, not {actor}",

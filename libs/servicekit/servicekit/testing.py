@@ -178,7 +178,9 @@ class ServiceProcess:
                         meta = json.loads(msg.data).get("metadata") or {}
                         if meta.get("pid") == str(self.pid):
                             return
-            raise TimeoutError(f"{self.module} not ready in {timeout}s: {self.log_path.read_text()}")
+            raise TimeoutError(
+                f"{self.module} not ready in {timeout}s: {self.log_path.read_text()}"
+            )
         finally:
             await sub.unsubscribe()
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from contracts import subjects
 from contracts.common import ErrorCode
 from contracts.events import (
@@ -78,8 +76,10 @@ def build_endpoints(repo: LogRepository) -> Endpoints:
     @api.command(subjects.EVENTS_APPEND, AppendEvent)
     async def append(cmd: AppendEvent) -> AppendedReply:
         event_type = log_rules.parse_event_type(cmd.type)
-        log_rules.check_payload_size(len(json.dumps(cmd.payload)))
-        payload = log_rules.validate_payload(event_type, cmd.payload).model_dump(mode="json")
+        parsed = log_rules.validate_payload(event_type, cmd.payload)
+        # Measured as stored: UTF-8 bytes of the normalised payload.
+        log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
+        payload = parsed.model_dump(mode="json")
         async with repo.transaction() as tx:
             session = await tx.lock_session(cmd.session_id)
             if cmd.idempotency_key is not None:
@@ -121,8 +121,10 @@ def build_endpoints(repo: LogRepository) -> Endpoints:
             if view is None:
                 raise log_rules.session_not_found(cmd.session_id)
             raise DomainError(
-                ErrorCode.SESSION_CLOSED, f"session {cmd.session_id} is {view.status}",
-                session_id=str(cmd.session_id), status=view.status,
+                ErrorCode.SESSION_CLOSED,
+                f"session {cmd.session_id} is {view.status}",
+                session_id=str(cmd.session_id),
+                status=view.status,
             )
         return HeartbeatReply(session_id=cmd.session_id, last_heartbeat_at=at)
 

@@ -16,6 +16,7 @@ from contracts.events import Event, EventType
 from contracts.session_events import SessionView
 from domain.log_rules import CausationFacts, session_not_found
 from servicekit import outbox
+from servicekit.db import Connection
 
 EVENT_COLUMNS = "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at"
 
@@ -42,7 +43,7 @@ def _event(row: asyncpg.Record) -> Event:
 class LogTransaction:
     """The statements that run inside one append or close transaction."""
 
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
     async def lock_session(self, session_id: UUID) -> LockedSession:
@@ -100,8 +101,16 @@ class LogTransaction:
                INSERT INTO events (id, session_id, project_id, seq, type, actor, payload,
                                    causation_id, idempotency_key, created_at)
                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)""",
-            event.id, event.session_id, event.project_id, event.seq, event.type.value,
-            event.actor, event.payload, event.causation_id, idempotency_key, event.created_at,
+            event.id,
+            event.session_id,
+            event.project_id,
+            event.seq,
+            event.type.value,
+            event.actor,
+            event.payload,
+            event.causation_id,
+            idempotency_key,
+            event.created_at,
         )
         await outbox.enqueue(
             self._conn,
@@ -169,7 +178,8 @@ class LogRepository:
 
     async def events_by_id(self, event_ids: Sequence[UUID]) -> list[Event]:
         rows = await self._pool.fetch(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE id = ANY($1::uuid[]) ORDER BY session_id, seq",
+            f"""SELECT {EVENT_COLUMNS} FROM events
+                 WHERE id = ANY($1::uuid[]) ORDER BY session_id, seq""",
             list(event_ids),
         )
         return [_event(r) for r in rows]
@@ -184,7 +194,9 @@ class LogRepository:
         )
         return [_event(r) for r in rows]
 
-    async def events_of_project(self, project_id: str, types: Sequence[str], limit: int) -> list[Event]:
+    async def events_of_project(
+        self, project_id: str, types: Sequence[str], limit: int
+    ) -> list[Event]:
         rows = await self._pool.fetch(
             f"""SELECT {EVENT_COLUMNS} FROM events
                  WHERE project_id = $1 AND type = ANY($2::text[])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -64,8 +63,12 @@ class CountingConsumer:
 
 
 async def open_with(nc: Client, project: str = "crash") -> SessionOpenedReply:
-    return await call(nc, subjects.SESSIONS_OPEN,
-                      OpenSession(project_id=project, opened_by="user:ana"), SessionOpenedReply)
+    return await call(
+        nc,
+        subjects.SESSIONS_OPEN,
+        OpenSession(project_id=project, opened_by="user:ana"),
+        SessionOpenedReply,
+    )
 
 
 @pytest.mark.parametrize("crash_point", ["outbox.before_publish", "outbox.after_publish"])
@@ -75,23 +78,31 @@ async def test_a_kill_between_commit_and_publish_loses_and_duplicates_nothing(
     healthy = spawn("session_events")
     await healthy.wait_ready(nc, "session_events")
     opened = await open_with(nc)
-    await wait_for(lambda: db.fetchval("SELECT count(*) = 0 FROM session_events.outbox"),
-                   what="session.opened to be relayed")
+    await wait_for(
+        lambda: db.fetchval("SELECT count(*) = 0 FROM session_events.outbox"),
+        what="session.opened to be relayed",
+    )
     healthy.kill()
 
     probe = CountingConsumer()
     consumer = asyncio.create_task(probe.run(nc, database_url))
     doomed = spawn("session_events", AGENTBUS_FAULT_POINTS=crash_point)
     await doomed.wait_ready(nc, "session_events")
-    request = AppendEvent(session_id=opened.session_id, type="chat.message", actor="user:ana",
-                          payload={"text": "will it survive?"}, idempotency_key="survivor")
+    request = AppendEvent(
+        session_id=opened.session_id,
+        type="chat.message",
+        actor="user:ana",
+        payload={"text": "will it survive?"},
+        idempotency_key="survivor",
+    )
     # The reply races the crash; the commit does not, and that is what is checked.
     with contextlib.suppress(Exception):
         await call(nc, subjects.EVENTS_APPEND, request, AppendedReply, timeout=2)
     assert doomed.wait_exit() != 0
 
     event_id = await db.fetchval(
-        "SELECT id FROM session_events.events WHERE idempotency_key = 'survivor'")
+        "SELECT id FROM session_events.events WHERE idempotency_key = 'survivor'"
+    )
     assert event_id is not None, "the committed event is in the log"
     assert await db.fetchval("SELECT count(*) FROM session_events.outbox") == 1
     subject = subjects.event_subject(EventType.CHAT_MESSAGE, "crash", opened.session_id)
@@ -100,8 +111,10 @@ async def test_a_kill_between_commit_and_publish_loses_and_duplicates_nothing(
 
     restarted = spawn("session_events")
     await restarted.wait_ready(nc, "session_events")
-    await wait_for(lambda: db.fetchval("SELECT count(*) = 0 FROM session_events.outbox"),
-                   what="the outbox to drain after restart")
+    await wait_for(
+        lambda: db.fetchval("SELECT count(*) = 0 FROM session_events.outbox"),
+        what="the outbox to drain after restart",
+    )
     [msg] = await stream_messages(nc, streams.EVENTS.name, subject)
     assert msg.headers["Nats-Msg-Id"] == str(event_id)
     await wait_for(lambda: probe.effects, what="the consumer to see the event")
@@ -124,17 +137,25 @@ async def test_two_replicas_append_and_reap_exactly_as_one(
 
     sessions = [await open_with(nc, "replicas") for _ in range(4)]
     appends = [
-        call(nc, subjects.EVENTS_APPEND,
-             AppendEvent(session_id=s.session_id, type="chat.message", actor="user:ana",
-                         payload={"text": f"message {i}"}),
-             AppendedReply)
-        for i in range(25) for s in sessions
+        call(
+            nc,
+            subjects.EVENTS_APPEND,
+            AppendEvent(
+                session_id=s.session_id,
+                type="chat.message",
+                actor="user:ana",
+                payload={"text": f"message {i}"},
+            ),
+            AppendedReply,
+        )
+        for i in range(25)
+        for s in sessions
     ]
     await asyncio.gather(*appends)
     for s in sessions:
         seqs = await db.fetch(
-            "SELECT seq FROM session_events.events WHERE session_id = $1 ORDER BY seq",
-            s.session_id)
+            "SELECT seq FROM session_events.events WHERE session_id = $1 ORDER BY seq", s.session_id
+        )
         assert [r["seq"] for r in seqs] == list(range(1, 27))
 
     stats = await _stats_by_pid(nc)
@@ -142,20 +163,26 @@ async def test_two_replicas_append_and_reap_exactly_as_one(
     assert all(n > 0 for n in stats.values()), f"both replicas served appends: {stats}"
 
     for s in sessions:
-        await call(nc, subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=s.session_id),
-                   HeartbeatReply)
+        await call(
+            nc, subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=s.session_id), HeartbeatReply
+        )
     await wait_for(
         lambda: db.fetchval(
-            "SELECT count(*) = 4 FROM session_events.sessions WHERE status = 'closed_abnormally'"),
+            "SELECT count(*) = 4 FROM session_events.sessions WHERE status = 'closed_abnormally'"
+        ),
         what="both reapers to close the silent sessions",
     )
     closings = await db.fetch(
         "SELECT session_id, count(*) AS n FROM session_events.events WHERE type = $1 "
-        "GROUP BY session_id", EventType.SESSION_CLOSED_ABNORMALLY.value)
+        "GROUP BY session_id",
+        EventType.SESSION_CLOSED_ABNORMALLY.value,
+    )
     assert {r["session_id"]: r["n"] for r in closings} == {s.session_id: 1 for s in sessions}
 
-    await wait_for(lambda: db.fetchval("SELECT count(*) = 0 FROM session_events.outbox"),
-                   what="both relays to drain")
+    await wait_for(
+        lambda: db.fetchval("SELECT count(*) = 0 FROM session_events.outbox"),
+        what="both relays to drain",
+    )
     published = await stream_messages(nc, streams.EVENTS.name, "*.*.replicas.*")
     ids = [m.headers["Nats-Msg-Id"] for m in published]
     stored = await db.fetchval("SELECT count(*) FROM session_events.events")
@@ -175,5 +202,3 @@ async def _stats_by_pid(nc: Client) -> dict[str, int]:
             served[reply["metadata"]["pid"]] = appends[0]["num_requests"]
     await sub.unsubscribe()
     return served
-
-

@@ -1,0 +1,46 @@
+# agentbus — every target works on a machine with nothing but Python 3.11+.
+# uv is installed into .tools/ (from PyPI), the workspace into .venv/.
+
+PYTHON ?= python3
+UV := .tools/bin/uv
+RUN := $(UV) run --frozen
+
+.DEFAULT_GOAL := help
+.PHONY: help setup up down test lint format bench asyncapi clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(UV):
+	$(PYTHON) -m venv .tools
+	.tools/bin/pip install --quiet --disable-pip-version-check uv
+
+setup: $(UV) ## install uv and the whole workspace (idempotent)
+	$(UV) sync --frozen
+
+up: setup ## start NATS, Postgres and every service; Ctrl-C stops them all
+	$(RUN) agentbus up
+
+down: setup ## stop a stack started by `make up`
+	$(RUN) agentbus down
+
+test: setup ## run every test against real NATS and Postgres (embedded unless URLs are set)
+	$(RUN) pytest
+
+lint: setup ## ruff (lint + format check) and mypy --strict
+	$(RUN) ruff check .
+	$(RUN) ruff format --check .
+	$(RUN) mypy libs contracts services
+
+format: setup ## apply ruff's fixes and formatting
+	$(RUN) ruff check --fix .
+	$(RUN) ruff format .
+
+bench: setup ## run the benchmarks (each measures its own baselines)
+	$(RUN) python bench/append.py
+
+asyncapi: setup ## regenerate contracts/asyncapi.json from the contracts
+	$(RUN) python -m contracts.asyncapi --write
+
+clean: ## remove the virtualenvs and the local state (.agentbus: the embedded servers' data)
+	rm -rf .venv .tools .agentbus

@@ -1,0 +1,93 @@
+"""`agentbus`: run the stack and talk to it from a terminal.
+
+agentbus up                       start servers and services (what `make up` runs)
+agentbus down                     stop them
+agentbus call SUBJECT [JSON]      send a command, print the reply
+agentbus services                 list the services answering on the bus
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import nats
+
+from servicekit.devstack import read_stack, run_stack, stop_stack
+from servicekit.logs import configure_logging
+
+
+def _nats_url() -> str:
+    url = os.environ.get("NATS_URL")
+    if url:
+        return url
+    stack = read_stack()
+    if stack is None:
+        raise SystemExit("no NATS_URL set and no running stack: start one with `make up`")
+    return str(stack["nats_url"])
+
+
+async def _call(subject: str, body: str, timeout: float) -> int:
+    nc = await nats.connect(_nats_url())
+    try:
+        msg = await nc.request(subject, body.encode(), timeout=timeout)
+    except nats.errors.NoRespondersError:
+        print(f"no service answers {subject}", file=sys.stderr)
+        return 2
+    finally:
+        await nc.close()
+    reply = json.loads(msg.data)
+    print(json.dumps(reply, indent=2))
+    return 1 if isinstance(reply, dict) and "error" in reply else 0
+
+
+async def _services() -> int:
+    nc = await nats.connect(_nats_url())
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish("$SRV.INFO", b"", reply=inbox)
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=0.5)
+            if msg.data:
+                info = json.loads(msg.data)
+                subjects = ", ".join(sorted(e["subject"] for e in info["endpoints"]))
+                print(f"{info['name']:<16} {info['id']}  {subjects}")
+    except (nats.errors.TimeoutError, TimeoutError):
+        pass
+    finally:
+        await nc.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentbus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start NATS, Postgres and every service; Ctrl-C stops them")
+    sub.add_parser("down", help="stop a running stack")
+    call = sub.add_parser("call", help="send a command and print its reply")
+    call.add_argument("subject")
+    call.add_argument("json", nargs="?", default="{}")
+    call.add_argument("--timeout", type=float, default=5.0)
+    sub.add_parser("services", help="list the services answering on the bus")
+    args = parser.parse_args(argv)
+
+    if args.command == "up":
+        configure_logging("devstack", os.environ.get("AGENTBUS_LOG_LEVEL", "INFO"))
+        asyncio.run(run_stack())
+        return 0
+    if args.command == "down":
+        print("stopped" if stop_stack() else "no stack was running")
+        return 0
+    if args.command == "call":
+        return asyncio.run(_call(args.subject, args.json, args.timeout))
+    return asyncio.run(_services())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""`make up` as a user runs it: the launcher, its embedded servers, a supervised service."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from servicekit.testing import wait_for
+
+
+def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "servicekit.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def stack_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")}
+    return {**env, "AGENTBUS_STATE_DIR": str(tmp_path / "state"), "AGENTBUS_LOG_FORMAT": "json"}
+
+
+async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everything(
+    stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    log = (tmp_path / "up.log").open("w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "servicekit.cli", "up"],
+        env=stack_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        await wait_for(
+            lambda: "agentbus is up" in (tmp_path / "up.log").read_text(),
+            timeout=90,
+            what="the stack to report it is up",
+        )
+        stack = json.loads((tmp_path / "state" / "stack.json").read_text())
+        assert stack["nats_url"].startswith("nats://127.0.0.1:")
+
+        opened = agentbus(
+            "call",
+            "cmd.sessions.open",
+            '{"project_id": "demo", "opened_by": "user:me"}',
+            env=stack_env,
+        )
+        assert opened.returncode == 0, opened.stderr
+        session_id = json.loads(opened.stdout)["session_id"]
+        appended = agentbus(
+            "call",
+            "cmd.events.append",
+            json.dumps(
+                {
+                    "session_id": session_id,
+                    "type": "chat.message",
+                    "actor": "user:me",
+                    "payload": {"text": "hello from another process"},
+                }
+            ),
+            env=stack_env,
+        )
+        assert json.loads(appended.stdout)["seq"] == 2
+        refused = agentbus("call", "cmd.events.append", "{oops", env=stack_env)
+        assert refused.returncode == 1
+        assert json.loads(refused.stdout)["error"]["code"] == "malformed_json"
+
+        children = psutil.Process(up.pid).children()
+        [service] = [c for c in children if "session_events" in c.cmdline()]
+        service.kill()
+        await wait_for(
+            lambda: "service_died_restarting" in (tmp_path / "up.log").read_text(),
+            what="the supervisor to log the restart",
+        )
+        listed = await wait_for(
+            lambda: (
+                (
+                    r := agentbus(
+                        "call",
+                        "cmd.events.list",
+                        json.dumps({"session_id": session_id}),
+                        env=stack_env,
+                    )
+                ).returncode
+                == 0
+                and r
+            ),
+            timeout=30,
+            what="the restarted service to answer",
+        )
+        assert [e["seq"] for e in json.loads(listed.stdout)["events"]] == [1, 2]
+
+        everything = [up, *psutil.Process(up.pid).children(recursive=True)]
+        pids = [p.pid for p in everything]
+        down = agentbus("down", env=stack_env)
+        assert down.stdout.strip() == "stopped"
+        assert up.wait(30) == 0
+        assert not [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        assert not (tmp_path / "state" / "stack.json").exists()
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGKILL)
+        log.close()
