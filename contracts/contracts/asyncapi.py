@@ -31,6 +31,21 @@ from pydantic import create_model
 from contracts import streams, subjects
 from contracts.common import ErrorReply, Message
 from contracts.events import PAYLOADS, Event, EventType
+from contracts.handoff import (
+    AcceptReply,
+    ActivateAgent,
+    ActivationReply,
+    ActiveAgents,
+    ActiveAgentsReply,
+    HandoffDecision,
+    HandoffReply,
+    HandoffsReply,
+    ListHandoffs,
+    OfferHandoff,
+    OfferMany,
+    OfferManyReply,
+    OfferReply,
+)
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
@@ -82,6 +97,14 @@ COMMANDS = [
     Command(subjects.EVENTS_GET, "session_events", GetEvents, EventsReply),
     Command(subjects.EVENTS_LIST, "session_events", ListEvents, EventsReply),
     Command(subjects.EVENTS_QUERY, "session_events", QueryEvents, EventsReply),
+    Command(subjects.HANDOFFS_OFFER, "handoff", OfferHandoff, OfferReply),
+    Command(subjects.HANDOFFS_OFFER_MANY, "handoff", OfferMany, OfferManyReply),
+    Command(subjects.HANDOFFS_ACCEPT, "handoff", HandoffDecision, AcceptReply),
+    Command(subjects.HANDOFFS_REJECT, "handoff", HandoffDecision, HandoffReply),
+    Command(subjects.HANDOFFS_COMPLETE, "handoff", HandoffDecision, HandoffReply),
+    Command(subjects.HANDOFFS_LIST, "handoff", ListHandoffs, HandoffsReply),
+    Command(subjects.AGENTS_ACTIVATE, "handoff", ActivateAgent, ActivationReply),
+    Command(subjects.AGENTS_ACTIVE, "handoff", ActiveAgents, ActiveAgentsReply),
 ]
 
 # Streaming subjects outside the log. contracts has no delta model yet, so these

@@ -41,7 +41,16 @@ class ErrorCode(StrEnum):
     CAUSATION_NOT_FOUND = "causation_not_found"
     BRIEF_REQUIRES_READINESS = "brief_requires_readiness"
     ACTOR_NOT_ALLOWED = "actor_not_allowed"
-    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    # handoff (ADR 0182 keeps the Portuguese codes on the wire)
+    AGENTE_JA_ATIVO = "agente_ja_ativo"
+    HANDOFF_NOT_FOUND = "handoff_not_found"
+    HANDOFF_NOT_IN_SESSION = "handoff_not_in_session"
+    INVALID_TRANSITION = "invalid_transition"
+    ACTIVATION_REFUSED = "activation_refused"
+    UNKNOWN_AGENT = "unknown_agent"
+    TARGET_NOT_ALLOWED = "target_not_allowed"
+    SESSION_NOT_IN_PROJECT = "session_not_in_project"
+    ARTIFACT_NOT_FOUND = "artifact_not_found"
 
 
 class ErrorBody(Message):

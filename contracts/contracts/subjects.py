@@ -17,6 +17,16 @@ EVENTS_GET = "cmd.events.get"
 EVENTS_LIST = "cmd.events.list"
 EVENTS_QUERY = "cmd.events.query"
 
+# handoff
+HANDOFFS_OFFER = "cmd.handoffs.offer"
+HANDOFFS_OFFER_MANY = "cmd.handoffs.offer_many"
+HANDOFFS_ACCEPT = "cmd.handoffs.accept"
+HANDOFFS_REJECT = "cmd.handoffs.reject"
+HANDOFFS_COMPLETE = "cmd.handoffs.complete"
+HANDOFFS_LIST = "cmd.handoffs.list"
+AGENTS_ACTIVATE = "cmd.agents.activate"
+AGENTS_ACTIVE = "cmd.agents.active"
+
 
 def event_subject(event_type: EventType, project_id: str, session_id: UUID | str) -> str:
     """`<domain>.<name>.<project_id>.<session_id>`: where a committed event is published."""

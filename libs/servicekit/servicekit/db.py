@@ -12,6 +12,7 @@ import hashlib
 import json
 from importlib.resources import files
 from importlib.resources.abc import Traversable
+from typing import Any
 
 import asyncpg
 import asyncpg.pool
@@ -45,6 +46,13 @@ async def create_pool(url: str, schema: str, min_size: int = 2, max_size: int = 
     )
     assert pool is not None
     return pool
+
+
+def returned(row: asyncpg.Record | None) -> dict[str, Any]:
+    """The row an `INSERT/UPDATE … RETURNING` must have produced, as a dict."""
+    if row is None:
+        raise LookupError("the statement returned no row")
+    return dict(row)
 
 
 class MigrationDrift(RuntimeError):

@@ -1,28 +1,39 @@
 """The transactional outbox and its relay.
 
 A service writes its state change and an outbox row in one transaction
-(`enqueue`). The relay claims committed rows with `FOR UPDATE SKIP LOCKED`,
-publishes each to JetStream with `Nats-Msg-Id`, and deletes it in the same
-transaction once the server acknowledged it. A crash before the delete commits
-republishes the row; the stream's duplicate window drops the copy and consumers
-are idempotent beyond it. `LISTEN/NOTIFY` wakes the relay early; polling is what
-guarantees progress.
+(`enqueue`, `enqueue_append`). The relay claims committed rows with
+`FOR UPDATE SKIP LOCKED`, hands them to its sender, and deletes each row in the same
+transaction once it was delivered. A crash before that commit sends the row again:
+JetStream drops the copy inside its duplicate window (`Nats-Msg-Id`), the log drops
+it by idempotency key, and consumers are idempotent beyond both. `LISTEN/NOTIFY`
+wakes the relay early; polling is what guarantees progress.
 
-Order: one relay publishes a batch in id order. Rows whose publish failed are
-retried later with backoff, possibly after newer rows: consumers order by the
-event's `seq`, not by arrival.
+Order: rows sharing an `ordering_key` (a session id) are delivered in the order they
+were written — across retries and across relay replicas. A key whose oldest row is
+waiting for a retry holds its later rows back, and a key another relay is working
+on is skipped (an advisory lock per key). Rows without a key have no order.
+
+Failures: a transient one (bus or log unavailable) is retried with backoff; one
+that can never succeed (the log refused the event) is moved to `dead_letters` and
+logged, so it neither blocks its key for ever nor disappears.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
-from typing import Any
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import asyncpg
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from contracts import subjects
+from contracts.common import ErrorCode
+from contracts.session_events import AppendEvent
 from servicekit.db import Connection
 from servicekit.faults import crash_point
 from servicekit.logs import get_logger
@@ -31,8 +42,10 @@ from servicekit.telemetry import inject_headers
 log = get_logger(__name__)
 
 NOTIFY_CHANNEL = "agentbus_outbox"
-PUBLISH_TIMEOUT_SECONDS = 5.0
+SEND_TIMEOUT_SECONDS = 5.0
 MAX_BACKOFF_SECONDS = 60.0
+# Error codes of the log that a later attempt may not get.
+TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value})
 
 
 async def enqueue(
@@ -41,17 +54,133 @@ async def enqueue(
     msg_id: str,
     body: bytes,
     headers: Mapping[str, str] | None = None,
+    ordering_key: str | None = None,
 ) -> None:
     """Record a message to publish once the caller's transaction commits."""
     await conn.execute(
-        "INSERT INTO outbox (subject, msg_id, body, headers) VALUES ($1, $2, $3, $4)",
+        """WITH queued AS (
+               INSERT INTO outbox (subject, msg_id, body, headers, ordering_key)
+               VALUES ($1, $2, $3, $4, $5))
+           SELECT pg_notify($6, '')""",
         subject,
         msg_id,
         body,
         inject_headers(dict(headers or {})),
+        ordering_key,
+        # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
+        NOTIFY_CHANNEL,
     )
-    # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
-    await conn.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)
+
+
+async def enqueue_append(conn: Connection, event: AppendEvent) -> None:
+    """Record an event to append to the session log once the caller's transaction commits.
+
+    The event's idempotency key is required: it makes a repeated append a no-op.
+    """
+    if event.idempotency_key is None:
+        raise ValueError("an event appended through the outbox needs an idempotency_key")
+    await enqueue(
+        conn,
+        subjects.EVENTS_APPEND,
+        event.idempotency_key,
+        event.model_dump_json().encode(),
+        ordering_key=str(event.session_id),
+    )
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """A claimed outbox row."""
+
+    id: int
+    subject: str
+    msg_id: str
+    body: bytes
+    headers: dict[str, str]
+    attempts: int
+    ordering_key: str | None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What became of one row: delivered (no error), to retry, or never deliverable."""
+
+    error: str | None = None
+    permanent: bool = False
+
+
+DELIVERED = Delivery()
+
+
+class Sender(Protocol):
+    """Delivers claimed rows, in order, and says what became of each."""
+
+    async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]: ...
+
+
+class JetStreamPublisher:
+    """Publishes rows to JetStream with `Nats-Msg-Id`, without waiting for each ack."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+
+    async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        futures: list[asyncio.Future[Any] | None] = []
+        results: list[Delivery] = []
+        for row in rows:
+            headers = {**row.headers, "Nats-Msg-Id": row.msg_id}
+            try:
+                futures.append(await self._js.publish_async(row.subject, row.body, headers=headers))
+                results.append(DELIVERED)
+            except Exception as exc:  # connection lost mid-batch: retry the row later
+                futures.append(None)
+                results.append(Delivery(repr(exc)))
+        for i, future in enumerate(futures):
+            if future is None:
+                continue
+            try:
+                await asyncio.wait_for(future, SEND_TIMEOUT_SECONDS)
+            except Exception as exc:
+                results[i] = Delivery(repr(exc) or type(exc).__name__)
+        return results
+
+
+class LogAppender:
+    """Appends rows to the session log (`cmd.events.append`), one after another.
+
+    After a row fails, the later rows of its key are not sent in this round, so the
+    log receives a session's events in the order they were written.
+    """
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+
+    async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        results: list[Delivery] = []
+        held: set[str] = set()
+        for row in rows:
+            if row.ordering_key in held:
+                results.append(Delivery("waiting for an earlier event of the same session"))
+                continue
+            result = await self._append(row)
+            if result.error is not None and not result.permanent and row.ordering_key:
+                held.add(row.ordering_key)
+            results.append(result)
+        return results
+
+    async def _append(self, row: OutboxRow) -> Delivery:
+        try:
+            reply = await self._nc.request(
+                row.subject, row.body, timeout=SEND_TIMEOUT_SECONDS, headers=row.headers
+            )
+        except Exception as exc:
+            return Delivery(repr(exc) or type(exc).__name__)
+        if not reply.data.startswith(b'{"error":'):
+            return DELIVERED
+        error = json.loads(reply.data)["error"]
+        return Delivery(
+            f"{error['code']}: {error['message']}", permanent=error["code"] not in TRANSIENT_CODES
+        )
 
 
 def retry_delay(attempts: int) -> float:
@@ -59,25 +188,41 @@ def retry_delay(attempts: int) -> float:
     return float(min(0.5 * 2 ** max(attempts - 1, 0), MAX_BACKOFF_SECONDS))
 
 
+CLAIM = """
+SELECT id, subject, msg_id, body, headers, attempts, ordering_key FROM outbox o
+ WHERE available_at <= now()
+   AND (ordering_key IS NULL OR (
+        -- an older row of the key waits for its retry: the key waits with it
+        NOT EXISTS (SELECT 1 FROM outbox older
+                     WHERE older.ordering_key = o.ordering_key AND older.id < o.id
+                       AND older.available_at > now())
+        -- another relay is delivering this key: leave the key to it
+        AND pg_try_advisory_xact_lock(hashtextextended('outbox:' || o.ordering_key, 0))))
+ ORDER BY id
+ LIMIT $1
+ FOR UPDATE SKIP LOCKED
+"""
+
+
 class OutboxRelay:
-    """Drains one schema's outbox to JetStream."""
+    """Drains one schema's outbox through a sender."""
 
     def __init__(
         self,
         pool: asyncpg.Pool,
-        js: JetStreamContext,
+        sender: Sender,
         batch: int = 256,
         poll_seconds: float = 1.0,
     ) -> None:
         self._pool = pool
-        self._js = js
+        self._sender = sender
         self._batch = batch
         self._poll = poll_seconds
         self._wake = asyncio.Event()
-        self.published = 0
+        self.delivered = 0
 
     async def run(self) -> None:
-        """Publish until cancelled; survives database and NATS outages."""
+        """Deliver until cancelled; survives database and NATS outages."""
         listener = asyncio.create_task(self._listen())
         try:
             while True:
@@ -95,70 +240,58 @@ class OutboxRelay:
                 await listener
 
     async def drain_once(self) -> int:
-        """Claim, publish and delete one batch; return how many rows were claimed."""
+        """Claim, deliver and delete one batch; return how many rows were claimed."""
         async with self._pool.acquire() as conn, conn.transaction():
-            rows = await conn.fetch(
-                """SELECT id, subject, msg_id, body, headers, attempts FROM outbox
-                    WHERE available_at <= now()
-                    ORDER BY id
-                    LIMIT $1
-                    FOR UPDATE SKIP LOCKED""",
-                self._batch,
-            )
+            rows = [OutboxRow(**dict(r)) for r in await conn.fetch(CLAIM, self._batch)]
             if not rows:
                 return 0
             crash_point("outbox.before_publish")
-            results = await self._publish(rows)
+            results = await self._sender.send(rows)
             crash_point("outbox.after_publish")
-            done = [r["id"] for r, res in zip(rows, results, strict=True) if res is None]
-            await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", done)
-            for row, error in zip(rows, results, strict=True):
-                if error is not None:
-                    await self._postpone(conn, row, error)
-            self.published += len(done)
+            settled = [r.id for r, d in zip(rows, results, strict=True) if d.error is None]
+            for row, delivery in zip(rows, results, strict=True):
+                if delivery.permanent:
+                    await self._dead_letter(conn, row, delivery.error or "")
+                    settled.append(row.id)
+                elif delivery.error is not None:
+                    await self._postpone(conn, row, delivery.error)
+            await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", settled)
+            self.delivered += sum(d.error is None for d in results)
             return len(rows)
 
-    async def _publish(self, rows: list[asyncpg.Record]) -> list[str | None]:
-        """Publish in id order without waiting for each ack; None where the server acked."""
-        futures: list[asyncio.Future[Any] | None] = []
-        errors: list[str | None] = []
-        for row in rows:
-            headers = {**row["headers"], "Nats-Msg-Id": row["msg_id"]}
-            try:
-                futures.append(
-                    await self._js.publish_async(row["subject"], row["body"], headers=headers)
-                )
-                errors.append(None)
-            except Exception as exc:  # connection lost mid-batch: retry the row later
-                futures.append(None)
-                errors.append(repr(exc))
-        for i, future in enumerate(futures):
-            if future is None:
-                continue
-            try:
-                await asyncio.wait_for(future, PUBLISH_TIMEOUT_SECONDS)
-            except Exception as exc:
-                errors[i] = repr(exc) or type(exc).__name__
-        return errors
-
-    async def _postpone(self, conn: Connection, row: asyncpg.Record, error: str) -> None:
-        attempts = row["attempts"] + 1
+    async def _postpone(self, conn: Connection, row: OutboxRow, error: str) -> None:
+        attempts = row.attempts + 1
         await conn.execute(
             """UPDATE outbox SET attempts = $2, last_error = $3,
                       available_at = now() + make_interval(secs => $4)
                 WHERE id = $1""",
-            row["id"],
+            row.id,
             attempts,
             error,
             retry_delay(attempts),
         )
         log.warning(
-            "outbox_publish_failed",
-            subject=row["subject"],
-            msg_id=row["msg_id"],
+            "outbox_delivery_failed",
+            subject=row.subject,
+            msg_id=row.msg_id,
             attempts=attempts,
             error=error,
         )
+
+    async def _dead_letter(self, conn: Connection, row: OutboxRow, reason: str) -> None:
+        await conn.execute(
+            """INSERT INTO dead_letters
+                   (consumer, stream, stream_seq, subject, msg_id, deliveries, reason, body)
+               VALUES ('outbox', 'outbox', $1, $2, $3, $4, $5, $6)
+               ON CONFLICT (consumer, stream, stream_seq) DO NOTHING""",
+            row.id,
+            row.subject,
+            row.msg_id,
+            row.attempts + 1,
+            reason,
+            row.body,
+        )
+        log.error("outbox_dead_letter", subject=row.subject, msg_id=row.msg_id, reason=reason)
 
     async def _listen(self) -> None:
         """Hold a LISTEN connection, reconnecting after failures; only ever a hint."""

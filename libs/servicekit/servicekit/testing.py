@@ -247,3 +247,30 @@ async def stream_messages(nc: Client, stream: str, subject_filter: str) -> list[
         return msgs
     finally:
         await sub.unsubscribe()
+
+
+@contextlib.asynccontextmanager
+async def running(main: Any, nc: Client, service: str) -> AsyncIterator[None]:
+    """Run a service's `main()` coroutine in this process until the block ends.
+
+    Ready once `$SRV.PING.<service>` answers; a service that crashes while starting
+    raises here with its own exception.
+    """
+    task = asyncio.create_task(main)
+    try:
+        for _ in range(400):
+            if task.done():
+                task.result()
+                raise RuntimeError(f"{service} stopped while starting")
+            with contextlib.suppress(Exception):
+                reply = await nc.request(f"$SRV.PING.{service}", b"", timeout=0.1)
+                if reply.data:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise TimeoutError(f"{service} did not answer $SRV.PING in 20s")
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servicekit.outbox import OutboxRelay
+from servicekit.outbox import JetStreamPublisher, OutboxRelay
 from servicekit.runtime import open_runtime, run_service, wait_until_stopped
 from servicekit.settings import ServiceSettings
 from session_events.handlers import SERVICE, build_endpoints
@@ -26,7 +26,9 @@ async def main(settings: LogSettings | None = None) -> None:
         repo = LogRepository(rt.pool)
         endpoints = build_endpoints(repo)
         service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)
-        relay = OutboxRelay(rt.pool, rt.js, settings.outbox_batch, settings.outbox_poll_seconds)
+        relay = OutboxRelay(
+            rt.pool, JetStreamPublisher(rt.js), settings.outbox_batch, settings.outbox_poll_seconds
+        )
         rt.background(relay.run(), "outbox-relay")
         rt.background(
             run_reaper(repo, settings.heartbeat_timeout_seconds, settings.reaper_interval_seconds),

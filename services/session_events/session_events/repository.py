@@ -117,6 +117,7 @@ class LogTransaction:
             subjects.event_subject(event.type, event.project_id, event.session_id),
             str(event.id),
             event.model_dump_json().encode(),
+            ordering_key=str(event.session_id),
         )
         # Later appends in the same transaction (close = status + event) see the new seq.
         session.last_seq = event.seq

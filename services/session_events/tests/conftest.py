@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest_asyncio
 from nats.aio.client import Client
-from pydantic import BaseModel
 
 from contracts import subjects
 from contracts.session_events import OpenSession, SessionOpenedReply
 from servicekit.client import call
+from servicekit.testing import running
 from session_events.app import LogSettings, main
 
 
@@ -27,21 +25,8 @@ async def log_service(nats_url: str, database_url: str, nc: Client) -> AsyncIter
         reaper_interval_seconds=0.2,
         outbox_poll_seconds=0.2,
     )
-    task = asyncio.create_task(main(settings))
-    for _ in range(200):
-        with contextlib.suppress(Exception):
-            await nc.request("$SRV.PING.session_events", b"", timeout=0.1)
-            break
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.05)
-    yield settings
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-Call = Callable[[str, BaseModel, type[Any]], Awaitable[Any]]
+    async with running(main(settings), nc, "session_events"):
+        yield settings
 
 
 @pytest_asyncio.fixture(loop_scope="session")

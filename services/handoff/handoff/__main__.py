@@ -1,0 +1,3 @@
+from handoff.app import run
+
+run()

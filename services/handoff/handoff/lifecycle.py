@@ -1,0 +1,241 @@
+"""The handoff use cases, each inside one transaction: lock, load, decide, persist + emit.
+
+Locks, always taken in this order so two decisions never deadlock: the session's
+(activations against its closing), then the target's
+(`pg_advisory_xact_lock(hashtextextended('handoff:<project>:<target>', 0))`, ADR 0182
+decision 3). Every status change of a handoff happens under its target's lock.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+from uuid import UUID
+
+from contracts.common import ErrorCode
+from contracts.events import (
+    AgentActivated,
+    EventType,
+    HandoffOffered,
+    HandoffSuperseded,
+    HandoffTransition,
+)
+from contracts.handoff import (
+    AcceptReply,
+    ActivateAgent,
+    ActivationReply,
+    AlreadyServed,
+    Handoff,
+    HandoffDecision,
+    OfferHandoff,
+    OfferMany,
+    OfferManyReply,
+    OfferReply,
+)
+from domain.errors import DomainError
+from domain.handoff import (
+    Status,
+    activation_refused,
+    already_active,
+    assert_transition,
+    decide_offer,
+    may_activate,
+    skip_reason,
+)
+from handoff.repository import HandoffTransaction
+
+LIFECYCLE_ACTOR = "system:handoff-lifecycle"
+
+
+async def offer(tx: HandoffTransaction, cmd: OfferHandoff) -> OfferReply:
+    """ADR 0182 decisions 2, 4 and 7 for one target."""
+    await tx.lock_target(cmd.project_id, cmd.to_agent)
+    active = await tx.active(cmd.project_id, cmd.to_agent)
+    pending = await tx.pending(cmd.project_id, cmd.to_agent)
+    if cmd.mode == "if_absent":
+        reason = skip_reason(active is not None, bool(pending))
+        if reason is not None:
+            current = await tx.handoff(pending[-1].id) if pending else None
+            return OfferReply(handoff=current, outcome="ja_oferecido", skipped=reason.value)
+    if active is not None:
+        raise already_active(cmd.project_id, cmd.to_agent, active.session_id)
+    decision = decide_offer(pending, cmd.session_id, cmd.artifact_id)
+    if decision.creates:
+        current = await _create(
+            tx, cmd.project_id, cmd.session_id, cmd.from_agent, cmd.to_agent, cmd.artifact_id
+        )
+    else:
+        assert decision.kept is not None
+        current = await tx.handoff(decision.kept)
+    for old in decision.supersede:
+        await supersede(tx, old, "nova_oferta", current.id)
+    return OfferReply(handoff=current, outcome=decision.outcome.value)
+
+
+async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
+    """ADR 0182 decision 6: only the targets not yet served are offered; idempotent."""
+    offered: list[Handoff] = []
+    served: list[AlreadyServed] = []
+    # Sorted, so two concurrent multi-target offers take the target locks in one order.
+    for target in sorted(cmd.targets, key=lambda t: t.to_agent):
+        await tx.lock_target(cmd.project_id, target.to_agent)
+        active = await tx.active(cmd.project_id, target.to_agent)
+        pending = await tx.pending(cmd.project_id, target.to_agent)
+        reason = skip_reason(active is not None, bool(pending))
+        if reason is not None:
+            served.append(
+                AlreadyServed(
+                    to_agent=target.to_agent,
+                    motivo=reason.value,
+                    handoff_id=pending[-1].id if pending else None,
+                )
+            )
+            continue
+        offered.append(
+            await _create(
+                tx,
+                cmd.project_id,
+                cmd.session_id,
+                cmd.from_agent,
+                target.to_agent,
+                target.artifact_id,
+            )
+        )
+    outcome: Literal["created", "ja_oferecido"] = "created" if offered else "ja_oferecido"
+    return OfferManyReply(outcome=outcome, offered=offered, jaAtendidos=served)
+
+
+async def accept(tx: HandoffTransaction, cmd: HandoffDecision) -> AcceptReply:
+    """Accept an offer and activate its target, superseding the target's other offers."""
+    await tx.lock_session(cmd.session_id)
+    if await tx.is_closed(cmd.session_id):
+        raise session_closed(cmd.session_id)
+    handoff = await _decide(tx, cmd, Status.ACCEPTED, EventType.HANDOFF_ACCEPTED)
+    activated = await activate(
+        tx,
+        ActivateAgent(
+            project_id=handoff.project_id,
+            session_id=handoff.session_id,
+            agent=handoff.to_agent,
+            via="accept",
+            handoff_id=handoff.id,
+            actor=cmd.actor,
+        ),
+    )
+    return AcceptReply(
+        handoff=handoff, activation=activated.activation, superseded=activated.superseded
+    )
+
+
+async def reject(tx: HandoffTransaction, cmd: HandoffDecision) -> Handoff:
+    """The target declines the offer."""
+    return await _decide(tx, cmd, Status.REJECTED, EventType.HANDOFF_REJECTED)
+
+
+async def complete(tx: HandoffTransaction, cmd: HandoffDecision) -> Handoff:
+    """The target finished the accepted work."""
+    return await _decide(tx, cmd, Status.COMPLETED, EventType.HANDOFF_COMPLETED)
+
+
+async def activate(tx: HandoffTransaction, cmd: ActivateAgent) -> ActivationReply:
+    """ADR 0008 decision 4 and ADR 0182 decision 5: activate, superseding pending offers."""
+    await tx.lock_session(cmd.session_id)
+    if await tx.is_closed(cmd.session_id):
+        raise session_closed(cmd.session_id)
+    await tx.lock_target(cmd.project_id, cmd.agent)
+    existing = await tx.activation_in(cmd.session_id, cmd.agent)
+    if existing is not None:
+        return ActivationReply(activation=existing, already_active=True, superseded=[])
+    if not may_activate(cmd.agent, await tx.has_accepted(cmd.session_id, cmd.agent), cmd.via):
+        raise activation_refused(cmd.agent, cmd.session_id)
+    by = cmd.handoff_id if cmd.via == "accept" else None
+    superseded = [p.id for p in await tx.pending(cmd.project_id, cmd.agent)]
+    for handoff_id in superseded:
+        await supersede(tx, handoff_id, "agente_ativado", by)
+    activation = await tx.insert_activation(
+        cmd.project_id, cmd.session_id, cmd.agent, cmd.via, cmd.handoff_id
+    )
+    payload = AgentActivated(agent=cmd.agent, via=cmd.via, handoff_id=cmd.handoff_id)
+    await tx.emit(
+        cmd.session_id,
+        EventType.AGENT_ACTIVATED,
+        cmd.actor,
+        payload.model_dump(mode="json"),
+        causation_id=None,
+    )
+    return ActivationReply(activation=activation, already_active=False, superseded=superseded)
+
+
+async def supersede(
+    tx: HandoffTransaction,
+    handoff_id: UUID,
+    motivo: Literal["agente_ativado", "nova_oferta"],
+    by: UUID | None,
+) -> None:
+    """ADR 0182 decision 1: the row changes status; the event lands in the old offer's
+    session (even a closed one), from the lifecycle itself. The `handoff.offered` event
+    that announced it is never touched."""
+    old = await tx.handoff(handoff_id)
+    assert_transition(old.id, Status(old.status), Status.SUPERSEDED)
+    await tx.set_status(old.id, Status.SUPERSEDED, superseded_by=by)
+    payload = HandoffSuperseded(
+        handoffId=old.id, toAgent=old.to_agent, motivo=motivo, substitutaId=by
+    )
+    await tx.emit(
+        old.session_id,
+        EventType.HANDOFF_SUPERSEDED,
+        LIFECYCLE_ACTOR,
+        payload.model_dump(mode="json"),
+    )
+
+
+def session_closed(session_id: UUID) -> DomainError:
+    """RN-581: nothing is accepted or activated in a closed session."""
+    return DomainError(
+        ErrorCode.SESSION_CLOSED,
+        f"session {session_id} is closed; its handoffs can no longer be accepted and no "
+        "agent can be activated in it",
+        session_id=str(session_id),
+    )
+
+
+async def _create(
+    tx: HandoffTransaction,
+    project_id: str,
+    session_id: UUID,
+    from_agent: str,
+    to_agent: str,
+    artifact_id: UUID | None,
+) -> Handoff:
+    created = await tx.insert_handoff(project_id, session_id, from_agent, to_agent, artifact_id)
+    payload = HandoffOffered(
+        handoff_id=created.id, from_agent=from_agent, to_agent=to_agent, artifact_id=artifact_id
+    )
+    # The artifact is an event of the log: the offer is its consequence.
+    await tx.emit(
+        session_id,
+        EventType.HANDOFF_OFFERED,
+        f"agent:{from_agent}",
+        payload.model_dump(mode="json"),
+        causation_id=artifact_id,
+    )
+    return created
+
+
+async def _decide(
+    tx: HandoffTransaction, cmd: HandoffDecision, target: Status, event_type: EventType
+) -> Handoff:
+    """Move one handoff to `target` under its target's lock, with its event."""
+    seen = await tx.handoff(cmd.handoff_id)
+    await tx.lock_target(seen.project_id, seen.to_agent)
+    current = await tx.handoff(cmd.handoff_id)
+    if current.session_id != cmd.session_id:
+        raise DomainError(
+            ErrorCode.HANDOFF_NOT_IN_SESSION,
+            f"handoff {current.id} belongs to session {current.session_id}, not {cmd.session_id}",
+            handoff_id=str(current.id),
+        )
+    assert_transition(current.id, Status(current.status), target)
+    updated = await tx.set_status(current.id, target)
+    payload = HandoffTransition(handoff_id=current.id, to_agent=current.to_agent, reason=cmd.reason)
+    await tx.emit(current.session_id, event_type, cmd.actor, payload.model_dump(mode="json"))
+    return updated

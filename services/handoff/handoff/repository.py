@@ -1,0 +1,234 @@
+"""The handoff service's SQL: handoffs, activations, closed sessions, and its outbox."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+from uuid import UUID, uuid4
+
+import asyncpg
+
+from contracts.common import ErrorCode
+from contracts.events import EventType
+from contracts.handoff import Activation, Handoff
+from contracts.session_events import AppendEvent
+from domain.errors import DomainError
+from domain.handoff import PendingOffer, Status
+from servicekit.db import Connection, returned
+from servicekit.outbox import enqueue_append
+
+HANDOFF_COLUMNS = (
+    "id, project_id, session_id, from_agent, to_agent, artifact_id, status, "
+    "created_at, updated_at, superseded_by"
+)
+ACTIVATION_COLUMNS = "project_id, session_id, agent, via, handoff_id, activated_at"
+
+
+def handoff_not_found(handoff_id: UUID) -> DomainError:
+    return DomainError(
+        ErrorCode.HANDOFF_NOT_FOUND,
+        f"handoff {handoff_id} does not exist",
+        handoff_id=str(handoff_id),
+    )
+
+
+class HandoffTransaction:
+    """The statements of one handoff decision, all in one transaction."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    async def lock_target(self, project_id: str, agent: str) -> None:
+        """Serialise every decision about one (project, target); other targets never wait."""
+        await self._conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            f"handoff:{project_id}:{agent}",
+        )
+
+    async def lock_session(self, session_id: UUID) -> None:
+        """Serialise activations in a session with the session's closing."""
+        await self._conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"session:{session_id}"
+        )
+
+    async def pending(self, project_id: str, agent: str) -> list[PendingOffer]:
+        """The target's `offered` handoffs in the project, oldest first."""
+        rows = await self._conn.fetch(
+            """SELECT id, session_id, artifact_id FROM handoffs
+                WHERE project_id = $1 AND to_agent = $2 AND status = 'offered'
+                ORDER BY created_at, id""",
+            project_id,
+            agent,
+        )
+        return [PendingOffer(**dict(r)) for r in rows]
+
+    async def active(self, project_id: str, agent: str) -> Activation | None:
+        """The agent's activation in an open session of the project, if any."""
+        row = await self._conn.fetchrow(
+            f"""SELECT {ACTIVATION_COLUMNS} FROM activations
+                 WHERE project_id = $1 AND agent = $2 AND ended_at IS NULL
+                 ORDER BY activated_at LIMIT 1""",
+            project_id,
+            agent,
+        )
+        return Activation.model_validate(dict(row)) if row else None
+
+    async def activation_in(self, session_id: UUID, agent: str) -> Activation | None:
+        """The agent's activation in this session, if it is still active."""
+        row = await self._conn.fetchrow(
+            f"""SELECT {ACTIVATION_COLUMNS} FROM activations
+                 WHERE session_id = $1 AND agent = $2 AND ended_at IS NULL""",
+            session_id,
+            agent,
+        )
+        return Activation.model_validate(dict(row)) if row else None
+
+    async def handoff(self, handoff_id: UUID) -> Handoff:
+        """A handoff as it is now (its changes are serialised by its target's lock)."""
+        row = await self._conn.fetchrow(
+            f"SELECT {HANDOFF_COLUMNS} FROM handoffs WHERE id = $1", handoff_id
+        )
+        if row is None:
+            raise handoff_not_found(handoff_id)
+        return Handoff.model_validate(dict(row))
+
+    async def has_accepted(self, session_id: UUID, agent: str) -> bool:
+        """Whether the session holds an accepted (or since completed) handoff to the agent."""
+        return bool(
+            await self._conn.fetchval(
+                """SELECT 1 FROM handoffs WHERE session_id = $1 AND to_agent = $2
+                      AND status IN ('accepted', 'completed') LIMIT 1""",
+                session_id,
+                agent,
+            )
+        )
+
+    async def is_closed(self, session_id: UUID) -> bool:
+        """Whether the log announced this session's end."""
+        return bool(
+            await self._conn.fetchval(
+                "SELECT 1 FROM closed_sessions WHERE session_id = $1", session_id
+            )
+        )
+
+    async def insert_handoff(
+        self,
+        project_id: str,
+        session_id: UUID,
+        from_agent: str,
+        to_agent: str,
+        artifact_id: UUID | None,
+    ) -> Handoff:
+        row = await self._conn.fetchrow(
+            f"""INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
+                                      artifact_id, status)
+                VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS}""",
+            uuid4(),
+            project_id,
+            session_id,
+            from_agent,
+            to_agent,
+            artifact_id,
+        )
+        return Handoff.model_validate(returned(row))
+
+    async def set_status(
+        self, handoff_id: UUID, status: Status, superseded_by: UUID | None = None
+    ) -> Handoff:
+        row = await self._conn.fetchrow(
+            f"""UPDATE handoffs SET status = $2, superseded_by = $3, updated_at = now()
+                 WHERE id = $1 RETURNING {HANDOFF_COLUMNS}""",
+            handoff_id,
+            status.value,
+            superseded_by,
+        )
+        return Handoff.model_validate(returned(row))
+
+    async def insert_activation(
+        self, project_id: str, session_id: UUID, agent: str, via: str, handoff_id: UUID | None
+    ) -> Activation:
+        row = await self._conn.fetchrow(
+            f"""INSERT INTO activations (project_id, session_id, agent, via, handoff_id)
+                VALUES ($1, $2, $3, $4, $5) RETURNING {ACTIVATION_COLUMNS}""",
+            project_id,
+            session_id,
+            agent,
+            via,
+            handoff_id,
+        )
+        return Activation.model_validate(returned(row))
+
+    async def end_session(self, session_id: UUID) -> int:
+        """Record the session's close and end its activations; return how many ended."""
+        await self._conn.execute(
+            "INSERT INTO closed_sessions (session_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            session_id,
+        )
+        status: str = await self._conn.execute(
+            "UPDATE activations SET ended_at = now() WHERE session_id = $1 AND ended_at IS NULL",
+            session_id,
+        )
+        return int(status.split()[-1])
+
+    async def emit(
+        self,
+        session_id: UUID,
+        event_type: EventType,
+        actor: str,
+        payload: dict[str, Any],
+        causation_id: UUID | None = None,
+    ) -> None:
+        """Append an event to the session log once this transaction commits (outbox)."""
+        await enqueue_append(
+            self._conn,
+            AppendEvent(
+                session_id=session_id,
+                type=event_type.value,
+                actor=actor,
+                payload=payload,
+                causation_id=causation_id,
+                idempotency_key=f"handoff:{uuid4()}",
+            ),
+        )
+
+
+class HandoffRepository:
+    """Transactions and reads over the `handoff` schema."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[HandoffTransaction]:
+        async with self._pool.acquire() as conn, conn.transaction():
+            yield HandoffTransaction(conn)
+
+    async def list_handoffs(
+        self, project_id: str, session_id: UUID | None, status: str | None
+    ) -> list[Handoff]:
+        rows = await self._pool.fetch(
+            f"""SELECT {HANDOFF_COLUMNS} FROM handoffs
+                 WHERE project_id = $1
+                   AND ($2::uuid IS NULL OR session_id = $2)
+                   AND ($3::text IS NULL OR status = $3)
+                 ORDER BY created_at, id""",
+            project_id,
+            session_id,
+            status,
+        )
+        return [Handoff.model_validate(dict(r)) for r in rows]
+
+    async def active_in_project(self, project_id: str) -> list[Activation]:
+        rows = await self._pool.fetch(
+            f"""SELECT {ACTIVATION_COLUMNS} FROM activations
+                 WHERE project_id = $1 AND ended_at IS NULL ORDER BY activated_at""",
+            project_id,
+        )
+        return [Activation.model_validate(dict(r)) for r in rows]
+
+    async def handoffs_by_ids(self, ids: Sequence[UUID]) -> list[Handoff]:
+        rows = await self._pool.fetch(
+            f"SELECT {HANDOFF_COLUMNS} FROM handoffs WHERE id = ANY($1::uuid[])", list(ids)
+        )
+        return [Handoff.model_validate(dict(r)) for r in rows]
