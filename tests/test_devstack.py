@@ -72,6 +72,11 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
             env=stack_env,
         )
         assert json.loads(appended.stdout)["seq"] == 2
+        assert agentbus("ping", "session_events", env=stack_env).returncode == 0
+        assert agentbus("ping", "handoff", env=stack_env).returncode == 0
+        assert (
+            agentbus("ping", "no_such_service", "--timeout", "0.5", env=stack_env).returncode == 1
+        )
         refused = agentbus("call", "cmd.events.append", "{oops", env=stack_env)
         assert refused.returncode == 1
         assert json.loads(refused.stdout)["error"]["code"] == "malformed_json"

@@ -63,6 +63,30 @@ async def _services() -> int:
     return 0
 
 
+async def _ping(service: str, instance: str | None, timeout: float) -> int:
+    """0 when `instance` (any instance if None) of `service` answers `$SRV.PING`."""
+    try:
+        nc = await nats.connect(_nats_url(), connect_timeout=2, allow_reconnect=False)
+    except Exception as exc:
+        print(f"cannot reach NATS: {exc!r}", file=sys.stderr)
+        return 1
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(f"$SRV.PING.{service}", b"", reply=inbox)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                msg = await sub.next_msg(timeout=timeout)
+                meta = (json.loads(msg.data).get("metadata") or {}) if msg.data else {}
+                if msg.data and instance in (None, meta.get("instance")):
+                    return 0
+    except (TimeoutError, nats.errors.TimeoutError):
+        print(f"{service} ({instance or 'any instance'}) did not answer", file=sys.stderr)
+        return 1
+    finally:
+        await nc.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="agentbus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -75,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     call.add_argument("json", nargs="?", default="{}")
     call.add_argument("--timeout", type=float, default=5.0)
     sub.add_parser("services", help="list the services answering on the bus")
+    ping = sub.add_parser("ping", help="check that a service instance answers (for probes)")
+    ping.add_argument("service")
+    ping.add_argument(
+        "--instance",
+        default=os.environ.get("AGENTBUS_INSTANCE_ID"),
+        help="the instance to wait for (default: $AGENTBUS_INSTANCE_ID, else any)",
+    )
+    ping.add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args(argv)
 
     if args.command == "up":
@@ -86,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "call":
         return asyncio.run(_call(args.subject, args.json, args.timeout))
+    if args.command == "ping":
+        return asyncio.run(_ping(args.service, args.instance, args.timeout))
     return asyncio.run(_services())
 
 
