@@ -42,6 +42,16 @@ class ErrorCode(StrEnum):
     BRIEF_REQUIRES_READINESS = "brief_requires_readiness"
     ACTOR_NOT_ALLOWED = "actor_not_allowed"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    # metering
+    BUDGET_EXCEEDED = "budget_exceeded"
+    BUDGET_MISMATCH = "budget_mismatch"
+    INVALID_BINDING = "invalid_binding"
+    NO_BINDING = "no_binding"
+    UNKNOWN_MODEL = "unknown_model"
+    TURN_IN_PROGRESS = "turn_in_progress"
+    TURN_ALREADY_FAILED = "turn_already_failed"
+    PROVIDER_ERROR = "provider_error"
+    PROVIDER_OVERLOADED = "provider_overloaded"
 
 
 class ErrorBody(Message):
