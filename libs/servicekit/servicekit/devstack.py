@@ -41,6 +41,7 @@ class ServiceSpec:
 # Each service issue adds its line here.
 SERVICES = [
     ServiceSpec("session_events", "session_events"),
+    ServiceSpec("metering", "metering"),
 ]
 
 RESTART_MAX_DELAY = 30.0
