@@ -213,17 +213,24 @@ class AnthropicProvider:
     async def _stream(
         self, params: dict[str, Any], progress: Progress, on_text: OnText
     ) -> SdkMessage:
-        texts = 0
+        texts, stopped = 0, False
         try:
             async with self._client.messages.stream(**params) as stream:
                 async for event in stream:
-                    if event.type == "message_start":
+                    if event.type == "message_stop":
+                        stopped = True
+                    elif event.type == "message_start":
                         progress.current = usage_of(event.message.usage)
                     elif event.type == "message_delta":
                         progress.current = with_delta(progress.current, event.usage)
                     elif event.type == "text":
                         texts += 1
                         await on_text(event.text, progress.text())
+                if not stopped:
+                    # A body that ended without message_stop was cut short somewhere.
+                    raise ProviderError(
+                        ErrorCode.PROVIDER_ERROR, "the provider's stream ended before message_stop"
+                    )
                 message = await stream.get_final_message()
         except BaseException:
             # Failed or cancelled mid-stream: at least one output token per text event
