@@ -11,7 +11,6 @@ from uuid import UUID
 
 import asyncpg
 
-from contracts.common import ErrorCode
 from contracts.metering import (
     Binding,
     SetBinding,
@@ -21,7 +20,6 @@ from contracts.metering import (
     UsageSummaryReply,
     UsageSummaryRequest,
 )
-from domain.errors import DomainError
 from domain.metering import Price, RunBudget
 from servicekit.db import Connection
 
@@ -76,13 +74,13 @@ class BudgetTransaction:
         self._conn = conn
 
     async def lock_run(self, run_id: str) -> RunBudget:
-        """The run's budget, created empty on its first turn, locked until commit."""
-        await self._conn.execute(
-            "INSERT INTO run_budgets (run_id) VALUES ($1) ON CONFLICT (run_id) DO NOTHING", run_id
-        )
+        """The run's budget, created empty on its first turn, locked until commit.
+
+        One statement: the no-op update of an existing row takes its row lock."""
         row = await self._conn.fetchrow(
-            """SELECT budget_micros, spent_micros, reserved_micros FROM run_budgets
-                WHERE run_id = $1 FOR UPDATE""",
+            """INSERT INTO run_budgets (run_id) VALUES ($1)
+               ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
+               RETURNING budget_micros, spent_micros, reserved_micros""",
             run_id,
         )
         assert row is not None
@@ -99,21 +97,25 @@ class BudgetTransaction:
             run.reserved,
         )
 
-    async def hold(self, run_id: str, turn_id: str, amount: int) -> None:
-        """Claim the turn id with its hold; a turn already holding or settled is refused."""
-        inserted = await self._conn.fetchval(
-            """INSERT INTO budget_holds (turn_id, run_id, hold_micros) VALUES ($1, $2, $3)
-               ON CONFLICT (turn_id) DO NOTHING RETURNING true""",
+    async def hold(self, run_id: str, turn_id: str, amount: int, run: RunBudget) -> bool:
+        """Claim the turn id with its hold and save the run that holds it, in one statement;
+        False (nothing written) when the turn id is already claimed."""
+        claimed = await self._conn.fetchval(
+            """WITH claim AS (
+                   INSERT INTO budget_holds (turn_id, run_id, hold_micros) VALUES ($1, $2, $3)
+                   ON CONFLICT (turn_id) DO NOTHING RETURNING true)
+               UPDATE run_budgets SET budget_micros = $4, spent_micros = $5,
+                      reserved_micros = $6, updated_at = now()
+                WHERE run_id = $2 AND EXISTS (SELECT 1 FROM claim)
+               RETURNING true""",
             turn_id,
             run_id,
             amount,
+            run.budget,
+            run.spent,
+            run.reserved,
         )
-        if not inserted:
-            raise DomainError(
-                ErrorCode.TURN_IN_PROGRESS,
-                f"turn {turn_id} is already running; wait for its reply or use a new turn_id",
-                turn_id=turn_id,
-            )
+        return bool(claimed)
 
     async def settle_hold(self, turn_id: str, cost: int) -> int | None:
         """Mark the turn's hold settled at `cost`; returns what it held (None if settled before)."""

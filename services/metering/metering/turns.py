@@ -111,20 +111,27 @@ class TurnRunner:
 
     async def run(self, cmd: LlmTurn) -> TurnReply:
         """Answer `cmd.llm.turn` / `cmd.llm.stream` (an `LlmStream` streams its deltas)."""
-        ended = await self._repo.ended_turn(cmd.turn_id)
-        if ended is not None:
-            return replay(cmd.turn_id, ended)
         started = self._clock()
         binding = self._catalog.resolve(cmd.agent_slug, cmd.project_id, cmd.session_id)
         price = self._catalog.price(binding.model, datetime.fromtimestamp(started, UTC).date())
         input_estimate = estimate_input_tokens(prompt_bytes(cmd), len(cmd.messages))
         hold = worst_case_micros(input_estimate, cmd.max_tokens, price)
-        async with self._repo.transaction() as tx:
-            run = await tx.lock_run(cmd.run_id)
-            budget = choose_budget(run.budget, cmd.budget_micros, cmd.run_id)
-            run = reserve(RunBudget(budget, run.spent, run.reserved), hold, cmd.run_id)
-            await tx.hold(cmd.run_id, cmd.turn_id, hold)
-            await tx.save_run(cmd.run_id, run)
+        # Three round trips on the first-token path: lock, decide in Python, claim + save.
+        try:
+            async with self._repo.transaction() as tx:
+                run = await tx.lock_run(cmd.run_id)
+                budget = choose_budget(run.budget, cmd.budget_micros, cmd.run_id)
+                run = reserve(RunBudget(budget, run.spent, run.reserved), hold, cmd.run_id)
+                claimed = await tx.hold(cmd.run_id, cmd.turn_id, hold, run)
+        except DomainError:
+            # A turn that already ran is answered from its row even when the run
+            # could not afford it again today.
+            ended = await self._repo.ended_turn(cmd.turn_id)
+            if ended is None:
+                raise
+            return replay(cmd.turn_id, ended)
+        if not claimed:  # this turn id ran, or runs: answer from its row, call nothing
+            return await self._repeated(cmd.turn_id)
 
         request = ProviderRequest(
             model=binding.model,
@@ -197,6 +204,16 @@ class TurnRunner:
         assert answer is not None
         return answer.model_copy(update={"budget_remaining_micros": remaining})
 
+    async def _repeated(self, turn_id: str) -> TurnReply:
+        ended = await self._repo.ended_turn(turn_id)
+        if ended is None:
+            raise DomainError(
+                ErrorCode.TURN_IN_PROGRESS,
+                f"turn {turn_id} is already running; wait for its reply or use a new turn_id",
+                turn_id=turn_id,
+            )
+        return replay(turn_id, ended)
+
     async def _record(self, record: UsageRecord, run_id: str) -> int | None:
         """Write the usage row and settle the hold, retrying while the store is unreachable."""
         for attempt in range(RECORD_ATTEMPTS):
@@ -217,9 +234,9 @@ class TurnRunner:
             run = await tx.lock_run(run_id)
             if await tx.insert_usage(record):
                 held = await tx.settle_hold(record.turn_id, record.cost_micros)
-                if held is not None:
-                    run = settle(run, held, record.cost_micros)
-                    await tx.save_run(run_id, run)
+                # No live hold (lost with a crashed store): the cost is still spent.
+                run = settle(run, held or 0, record.cost_micros)
+                await tx.save_run(run_id, run)
         if run.budget is not None and run.spent > run.budget:
             log.warning("run_overspent", run_id=run_id, budget=run.budget, spent=run.spent)
         log.info(
