@@ -37,7 +37,7 @@ format: setup ## apply ruff's fixes and formatting
 	$(RUN) ruff format .
 
 bench: setup ## run the benchmarks (each measures its own baselines)
-	$(RUN) python bench/append.py
+	@for b in bench/*.py; do echo "== $$b"; $(RUN) python $$b || exit 1; done
 
 asyncapi: setup ## regenerate contracts/asyncapi.json from the contracts
 	$(RUN) python -m contracts.asyncapi --write

@@ -27,7 +27,9 @@ def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 @pytest.fixture
 def stack_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")}
+    # No provider key: tests never reach the internet, and metering runs its offline script.
+    unset = ("NATS_URL", "DATABASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     return {**env, "AGENTBUS_STATE_DIR": str(tmp_path / "state"), "AGENTBUS_LOG_FORMAT": "json"}
 
 
@@ -80,6 +82,25 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         refused = agentbus("call", "cmd.events.append", "{oops", env=stack_env)
         assert refused.returncode == 1
         assert json.loads(refused.stdout)["error"]["code"] == "malformed_json"
+
+        answered = agentbus(
+            "call",
+            "cmd.llm.turn",
+            json.dumps(
+                {
+                    "run_id": "demo-run",
+                    "turn_id": "demo-turn-1",
+                    "agent_slug": "chat",
+                    "project_id": "demo",
+                    "messages": [{"role": "user", "content": "hello metering"}],
+                    "max_tokens": 200,
+                }
+            ),
+            env=stack_env,
+        )
+        assert answered.returncode == 0, answered.stdout
+        assert "hello metering" in json.loads(answered.stdout)["content"][0]["text"]
+        assert "provider_scripted" in (tmp_path / "up.log").read_text()
 
         children = psutil.Process(up.pid).children()
         [service] = [c for c in children if "session_events" in c.cmdline()]

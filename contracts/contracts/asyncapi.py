@@ -46,6 +46,20 @@ from contracts.handoff import (
     OfferManyReply,
     OfferReply,
 )
+from contracts.metering import (
+    BindingSetReply,
+    BindingsReply,
+    ListBindings,
+    LlmStream,
+    LlmTurn,
+    ResolveBinding,
+    ResolvedBinding,
+    SetBinding,
+    TurnDelta,
+    TurnReply,
+    UsageSummaryReply,
+    UsageSummaryRequest,
+)
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
@@ -105,17 +119,24 @@ COMMANDS = [
     Command(subjects.HANDOFFS_LIST, "handoff", ListHandoffs, HandoffsReply),
     Command(subjects.AGENTS_ACTIVATE, "handoff", ActivateAgent, ActivationReply),
     Command(subjects.AGENTS_ACTIVE, "handoff", ActiveAgents, ActiveAgentsReply),
+    Command(subjects.LLM_TURN, "metering", LlmTurn, TurnReply),
+    Command(subjects.LLM_STREAM, "metering", LlmStream, TurnReply),
+    Command(subjects.BINDINGS_SET, "metering", SetBinding, BindingSetReply),
+    Command(subjects.BINDINGS_LIST, "metering", ListBindings, BindingsReply),
+    Command(subjects.BINDINGS_RESOLVE, "metering", ResolveBinding, ResolvedBinding),
+    Command(subjects.USAGE_SUMMARY, "metering", UsageSummaryRequest, UsageSummaryReply),
 ]
 
-# Streaming subjects outside the log. contracts has no delta model yet, so these
-# channels name their subject and stream but leave the payload undocumented.
-STREAMING = [
+# Streaming subjects outside the log, with their payload model where contracts has one
+# (`agent.done` gets its model with the gateway).
+STREAMING: list[tuple[str, str, str, type[Message] | None]] = [
     (
         "agent.delta",
         subjects.delta_subject(PROJECT, SESSION),
-        "A streaming turn's text, token by token.",
+        "A streaming turn's text, token by token, as `cmd.llm.stream` publishes it.",
+        TurnDelta,
     ),
-    ("agent.done", subjects.done_subject(PROJECT, SESSION), "A streaming turn ended."),
+    ("agent.done", subjects.done_subject(PROJECT, SESSION), "A streaming turn ended.", None),
 ]
 
 DESCRIPTION = (
@@ -201,11 +222,12 @@ def build_broker() -> NatsBroker:
             ),
             schema=_event_model(event_type),
         )
-    for title, subject, description in STREAMING:
+    for title, subject, description, model in STREAMING:
         broker.publisher(
             subject,
             title=title,
             description=f"{description} In stream `{streams.DELTAS.name}`.",
+            schema=model,
         )
     return broker
 

@@ -51,6 +51,17 @@ class ErrorCode(StrEnum):
     TARGET_NOT_ALLOWED = "target_not_allowed"
     SESSION_NOT_IN_PROJECT = "session_not_in_project"
     ARTIFACT_NOT_FOUND = "artifact_not_found"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    # metering
+    BUDGET_EXCEEDED = "budget_exceeded"
+    BUDGET_MISMATCH = "budget_mismatch"
+    INVALID_BINDING = "invalid_binding"
+    NO_BINDING = "no_binding"
+    UNKNOWN_MODEL = "unknown_model"
+    TURN_IN_PROGRESS = "turn_in_progress"
+    TURN_ALREADY_FAILED = "turn_already_failed"
+    PROVIDER_ERROR = "provider_error"
+    PROVIDER_OVERLOADED = "provider_overloaded"
 
 
 class ErrorBody(Message):

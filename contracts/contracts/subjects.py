@@ -16,6 +16,15 @@ EVENTS_APPEND = "cmd.events.append"
 EVENTS_GET = "cmd.events.get"
 EVENTS_LIST = "cmd.events.list"
 EVENTS_QUERY = "cmd.events.query"
+# metering
+LLM_TURN = "cmd.llm.turn"
+LLM_STREAM = "cmd.llm.stream"
+BINDINGS_SET = "cmd.bindings.set"
+BINDINGS_LIST = "cmd.bindings.list"
+BINDINGS_RESOLVE = "cmd.bindings.resolve"
+USAGE_SUMMARY = "cmd.usage.summary"
+# Core NATS, not a stream: tells every metering replica to reload its binding cache.
+BINDINGS_CHANGED = "metering.bindings_changed"
 
 # handoff
 HANDOFFS_OFFER = "cmd.handoffs.offer"

@@ -1,5 +1,24 @@
-"""The agent harness: ToolLoop, tools, hooks and the metering client (issue 4).
+"""The agent harness: ToolLoop, tools, hooks and the metering client.
 
 Agents always run inside the harness, and the harness never talks to an LLM
-provider directly: only the metering service does.
+provider directly: only the metering service does (ADR 0008 decision 2).
 """
+
+from harness.client import MeteringClient
+from harness.loop import LoopContext, LoopResult, LoopStatus, ToolLoop
+from harness.streaming import stream_turn
+from harness.tools import Halt, PostToolHook, PreToolHook, Tool, ToolResult
+
+__all__ = [
+    "Halt",
+    "LoopContext",
+    "LoopResult",
+    "LoopStatus",
+    "MeteringClient",
+    "PostToolHook",
+    "PreToolHook",
+    "Tool",
+    "ToolLoop",
+    "ToolResult",
+    "stream_turn",
+]

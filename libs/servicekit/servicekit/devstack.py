@@ -42,6 +42,7 @@ class ServiceSpec:
 SERVICES = [
     ServiceSpec("session_events", "session_events"),
     ServiceSpec("handoff", "handoff"),
+    ServiceSpec("metering", "metering"),
 ]
 
 RESTART_MAX_DELAY = 30.0

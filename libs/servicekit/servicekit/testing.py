@@ -31,7 +31,7 @@ import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServerError
 
 from contracts import streams
 from servicekit.bus import provision_streams
@@ -109,7 +109,16 @@ async def nats_url(servers: Servers) -> AsyncIterator[str]:
     for spec in streams.ALL:
         with contextlib.suppress(NotFoundError):
             await js.delete_stream(spec.name)
-    await provision_streams(js, streams.ALL)
+    # The server removes a deleted file store in the background; re-creating the stream
+    # at once can fail with "error creating store for stream" (err_code 10049) until then.
+    for attempt in range(50):
+        try:
+            await provision_streams(js, streams.ALL)
+            break
+        except ServerError:
+            if attempt == 49:
+                raise
+            await asyncio.sleep(0.1)
     await nc.close()
     yield servers.nats_url
 
@@ -250,27 +259,29 @@ async def stream_messages(nc: Client, stream: str, subject_filter: str) -> list[
 
 
 @contextlib.asynccontextmanager
-async def running(main: Any, nc: Client, service: str) -> AsyncIterator[None]:
-    """Run a service's `main()` coroutine in this process until the block ends.
-
-    Ready once `$SRV.PING.<service>` answers; a service that crashes while starting
-    raises here with its own exception.
-    """
-    task = asyncio.create_task(main)
+async def running_service(
+    main: Any, nc: Client, service: str, timeout: float = 20.0
+) -> AsyncIterator[asyncio.Task[None]]:
+    """Run a service's `main()` coroutine in this process until it answers `$SRV.PING`;
+    cancel it (as SIGTERM would) on exit."""
+    task: asyncio.Task[None] = asyncio.ensure_future(main)
     try:
-        for _ in range(400):
-            if task.done():
-                task.result()
-                raise RuntimeError(f"{service} stopped while starting")
-            with contextlib.suppress(Exception):
-                reply = await nc.request(f"$SRV.PING.{service}", b"", timeout=0.1)
-                if reply.data:
-                    break
-            await asyncio.sleep(0.05)
-        else:
-            raise TimeoutError(f"{service} did not answer $SRV.PING in 20s")
-        yield
+        await wait_for(
+            lambda: _answers_ping(nc, service, task), timeout=timeout, what=f"{service} to answer"
+        )
+        yield task
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def _answers_ping(nc: Client, service: str, task: asyncio.Task[None]) -> bool:
+    if task.done():
+        task.result()  # raises the service's start-up error
+        raise RuntimeError(f"{service} stopped before answering")
+    try:
+        await nc.request(f"$SRV.PING.{service}", b"", timeout=0.2)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return False
+    return True

@@ -27,7 +27,7 @@ from contracts.session_events import (
 from handoff.app import main as handoff_main
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
-from servicekit.testing import running, wait_for
+from servicekit.testing import running_service, wait_for
 from session_events.app import LogSettings
 from session_events.app import main as log_main
 
@@ -119,8 +119,8 @@ async def services(nats_url: str, database_url: str, nc: Client) -> AsyncIterato
     """session_events and handoff, in this process."""
     fast = {"nats_url": nats_url, "database_url": database_url, "outbox_poll_seconds": 0.2}
     async with (
-        running(log_main(LogSettings(**fast)), nc, "session_events"),
-        running(handoff_main(ServiceSettings(**fast)), nc, "handoff"),
+        running_service(log_main(LogSettings(**fast)), nc, "session_events"),
+        running_service(handoff_main(ServiceSettings(**fast)), nc, "handoff"),
     ):
         yield
 

@@ -11,7 +11,7 @@ from nats.aio.client import Client
 from contracts import subjects
 from contracts.session_events import OpenSession, SessionOpenedReply
 from servicekit.client import call
-from servicekit.testing import running
+from servicekit.testing import running_service
 from session_events.app import LogSettings, main
 
 
@@ -25,7 +25,7 @@ async def log_service(nats_url: str, database_url: str, nc: Client) -> AsyncIter
         reaper_interval_seconds=0.2,
         outbox_poll_seconds=0.2,
     )
-    async with running(main(settings), nc, "session_events"):
+    async with running_service(main(settings), nc, "session_events"):
         yield settings
 
 

@@ -1,0 +1,256 @@
+"""Metering's streaming path: what it adds per token and before the first token.
+
+The scripted provider emits tokens at a fixed rate, stamping each with its emit
+time; a subscriber on each turn's `delta_subject` measures
+
+- per-token added latency: receive time − emit time (serialisation, publish, the
+  NATS hop, the subscriber's parse);
+- time-to-first-token overhead: first delta received − request sent − the
+  provider's own delay before its first token (the command hop, binding and price
+  look-ups, the budget reservation in Postgres, the first delta's hop);
+
+at 1, 50 and 200 concurrent streams — the first wave's starts spread over one
+stream's duration, so the level is a steady number of streams in flight rather
+than one burst of simultaneous starts — against a baseline measured in the same run:
+a raw NATS publish→subscribe hop, from another process, of the same delta messages
+at the same rate and concurrency. Metering runs as its own process (`python -m
+metering`, scripted provider), as under `make up`.
+
+    .venv/bin/python bench/metering.py [--tokens 30] [--delay-ms 20]
+
+Servers: NATS_URL / DATABASE_URL when set, otherwise embedded ones in a temp dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import uvloop
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from contracts import subjects
+from contracts.metering import ChatMessage, LlmStream, TurnDelta, TurnReply
+from servicekit.client import call
+from servicekit.embedded import start_nats, start_postgres
+
+LEVELS = (1, 50, 200)
+# Streams measured per level (the single-stream level runs its streams one after another).
+STREAMS_PER_LEVEL = {1: 20, 50: 100, 200: 200}
+SUBJECT_ROOT = "agent.delta.bench"
+
+
+@dataclass
+class Samples:
+    per_token_ms: list[float] = field(default_factory=list)
+    ttft_overhead_ms: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class Receiver:
+    """One subscription on every bench delta subject; records each delta's latency."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, asyncio.Future[float]] = {}
+        self.done: dict[str, asyncio.Event] = {}
+        self.expected = 0
+        self.samples = Samples()
+
+    def expect(self, stream_id: str) -> None:
+        self.first[stream_id] = asyncio.get_running_loop().create_future()
+        self.done[stream_id] = asyncio.Event()
+
+    async def on_msg(self, msg: Msg) -> None:
+        now = time.time()
+        delta = TurnDelta.model_validate_json(msg.data)
+        stream_id = msg.subject.rsplit(".", 1)[1]
+        self.samples.per_token_ms.append((now - delta.emitted_at) * 1000)
+        if delta.seq == 1 and not self.first[stream_id].done():
+            self.first[stream_id].set_result(now)
+        if delta.seq == self.expected:
+            self.done[stream_id].set()
+
+
+def stagger(k: int, concurrency: int, duration_s: float) -> float:
+    """When the k-th stream of the first wave starts: spread over one stream's duration."""
+    return k / concurrency * duration_s if k < concurrency else 0.0
+
+
+async def metering_streams(
+    nc: Client, receiver: Receiver, streams: int, concurrency: int, tokens: int, delay_s: float
+) -> None:
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(k: int) -> None:
+        async with limit:  # the first wave takes the slots, then waits for its start time
+            await asyncio.sleep(stagger(k, concurrency, tokens * delay_s))
+            stream_id = uuid.uuid4().hex
+            receiver.expect(stream_id)
+            cmd = LlmStream(
+                run_id=f"bench-{stream_id}",
+                turn_id=f"bench-{stream_id}",
+                agent_slug="bench",
+                project_id="bench",
+                messages=[ChatMessage(role="user", content="Tell me about bread.")],
+                max_tokens=200,
+                delta_subject=f"{SUBJECT_ROOT}.{stream_id}",
+            )
+            sent = time.time()
+            await call(nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=120)
+            first = await receiver.first[stream_id]
+            receiver.samples.ttft_overhead_ms.append((first - sent - delay_s) * 1000)
+            await asyncio.wait_for(receiver.done[stream_id].wait(), 30)
+
+    await asyncio.gather(*(one(k) for k in range(streams)))
+
+
+async def baseline_publisher(nats_url: str, streams: int, concurrency: int, tokens: int,
+                             delay_s: float) -> None:  # fmt: skip
+    """Another process publishing the same deltas at the same rate: the raw hop."""
+    nc = await nats.connect(nats_url)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with limit:
+            await asyncio.sleep(stagger(i, concurrency, tokens * delay_s))
+            subject = f"{SUBJECT_ROOT}.base{i}"
+            started = time.monotonic()
+            for seq in range(1, tokens + 1):
+                await asyncio.sleep(max(0.0, started + seq * delay_s - time.monotonic()))
+                delta = TurnDelta(turn_id=f"base{i}", seq=seq, text="word ", emitted_at=time.time())
+                await nc.publish(subject, delta.model_dump_json().encode())
+
+    await asyncio.gather(*(one(i) for i in range(streams)))
+    await nc.flush()
+    await nc.drain()
+
+
+async def baseline(nats_url: str, receiver: Receiver, streams: int, concurrency: int,
+                   tokens: int, delay_s: float) -> None:  # fmt: skip
+    for i in range(streams):
+        receiver.expect(f"base{i}")
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--publish-baseline", nats_url, str(streams), str(concurrency),
+        str(tokens), str(delay_s),
+    )  # fmt: skip
+    await child.wait()
+    await asyncio.wait_for(
+        asyncio.gather(*(receiver.done[f"base{i}"].wait() for i in range(streams))), 30
+    )
+
+
+async def wait_for_metering(nc: Client, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("metering exited during start-up")
+        with contextlib.suppress(Exception):
+            await nc.request("$SRV.PING.metering", b"", timeout=0.5)
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError("metering did not start")
+
+
+def row(name: str, values: list[float], base: list[float] | None = None) -> str:
+    p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
+    text = f"  {name:<28} p50 {p50:7.3f} ms   p99 {p99:7.3f} ms   n={len(values)}"
+    if base:
+        text += f"   ratio p50 {p50 / percentile(base, 0.5):5.2f}  p99 {p99 / percentile(base, 0.99):5.2f}"  # noqa: E501
+    return text
+
+
+async def run(tokens: int, delay_ms: float) -> None:
+    delay_s = delay_ms / 1000
+    with contextlib.ExitStack() as stack:
+        nats_url, database_url = os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL")
+        state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-metering-")))
+        if not nats_url:
+            server = start_nats(state)
+            stack.callback(server.stop)
+            nats_url = server.url
+        if not database_url:
+            pg = start_postgres(state)
+            stack.callback(pg.stop)
+            database_url = pg.url
+        script = {
+            "steps": [
+                {
+                    "agent": "bench",
+                    "text": " ".join(f"w{i}" for i in range(tokens)),
+                    "input_tokens": 100,
+                    "token_delay_ms": delay_ms,
+                }
+            ]
+        }
+        script_path = state / "script.json"
+        script_path.write_text(json.dumps(script))
+        env = {
+            **os.environ,
+            "NATS_URL": nats_url,
+            "DATABASE_URL": database_url,
+            "AGENTBUS_PROVIDER": "scripted",
+            "AGENTBUS_SCRIPT_PATH": str(script_path),
+            "AGENTBUS_LOG_LEVEL": "WARNING",
+            "AGENTBUS_LOG_FORMAT": "json",
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "metering"], env=env, stdout=subprocess.DEVNULL
+        )
+        stack.callback(lambda: (proc.terminate(), proc.wait(30)))
+        nc = await nats.connect(nats_url)
+        try:
+            await wait_for_metering(nc, proc)
+            print(f"metering bench: {tokens} tokens per stream, one every {delay_ms} ms; "
+                  f"{os.cpu_count()} cores")  # fmt: skip
+            for level in LEVELS:
+                streams = STREAMS_PER_LEVEL[level]
+                base, measured = Receiver(), Receiver()
+                base.expected = measured.expected = tokens
+                sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=base.on_msg)
+                await nc.flush()
+                await baseline(nats_url, base, streams, level, tokens, delay_s)
+                await sub.unsubscribe()
+                sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=measured.on_msg)
+                await nc.flush()
+                await metering_streams(nc, measured, streams, level, tokens, delay_s)
+                await sub.unsubscribe()
+                hop = base.samples.per_token_ms
+                print(f"{level} concurrent stream(s), {streams} streams:")
+                print(row("baseline raw NATS hop", hop))
+                print(row("per-token added latency", measured.samples.per_token_ms, hop))
+                print(row("TTFT overhead", measured.samples.ttft_overhead_ms, hop))
+        finally:
+            await nc.close()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--publish-baseline":
+        url, streams, concurrency, tokens, delay = sys.argv[2:7]
+        uvloop.run(baseline_publisher(url, int(streams), int(concurrency), int(tokens),
+                                      float(delay)))  # fmt: skip
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=30)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    uvloop.run(run(args.tokens, args.delay_ms))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""Commands, replies and deltas of the `metering` service: the only door to an LLM.
+
+Content blocks follow the Anthropic Messages API shapes (text, tool_use,
+tool_result), so the harness speaks one vocabulary and the `anthropic` provider
+passes them through without translation.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+from pydantic import Field, StringConstraints, model_validator
+
+from contracts.common import AgentSlug, Message, ProjectId
+
+# Ids chosen by the caller (the harness): a run groups the turns one budget covers,
+# a turn is one provider call and the key its usage row is idempotent on.
+RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+TurnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+# Deltas may only go where a client of the bus listens for them: a session's
+# `agent.delta.<project>.<session>` (captured by the DELTAS stream) or a private
+# inbox. Anything else would let a caller publish onto command or event subjects.
+DeltaSubject = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^(agent\.delta\.[A-Za-z0-9_-]{1,64}\.[A-Za-z0-9_-]{1,64}|_INBOX\.[A-Za-z0-9_.-]{1,200})$"
+    ),
+]
+
+MAX_OUTPUT_TOKENS = 64_000
+UsageStatus = Literal["ok", "error", "cancelled"]
+BindingScope = Literal["session", "agent", "project", "workspace"]
+
+
+class TextBlock(Message):
+    """Text the model wrote (or a person's words in a user message)."""
+
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseBlock(Message):
+    """The model asks for a tool to be run with `input`."""
+
+    type: Literal["tool_use"] = "tool_use"
+    id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    name: ToolName
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Message):
+    """What a tool returned; `is_error` marks a message the model should correct itself from."""
+
+    type: Literal["tool_result"] = "tool_result"
+    tool_use_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    content: str
+    is_error: bool = False
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+ReplyBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+
+
+class ChatMessage(Message):
+    """One message of the conversation sent to the model."""
+
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolSpec(Message):
+    """A tool the model may call: its name, what it does and its input's JSON schema."""
+
+    name: ToolName
+    description: str = ""
+    input_schema: dict[str, Any]
+
+
+class LlmTurn(Message):
+    """`cmd.llm.turn`: one model call, priced and charged to the run's budget."""
+
+    run_id: RunId
+    turn_id: TurnId
+    agent_slug: AgentSlug
+    project_id: ProjectId
+    session_id: UUID | None = None
+    system: str = ""
+    messages: list[ChatMessage] = Field(min_length=1, max_length=2000)
+    tools: list[ToolSpec] = Field(default_factory=list, max_length=64)
+    max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
+    # The run's whole budget in µUSD; the first turn of a run that names it sets it.
+    budget_micros: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _starts_with_user(self) -> LlmTurn:
+        if self.messages[0].role != "user":
+            raise ValueError("the conversation must start with a user message")
+        return self
+
+
+class LlmStream(LlmTurn):
+    """`cmd.llm.stream`: the same turn, with text deltas published on `delta_subject`."""
+
+    delta_subject: DeltaSubject
+
+
+class TokenUsage(Message):
+    """Tokens one call consumed, as the provider reported them (cumulative, never summed)."""
+
+    input_tokens: int = Field(default=0, ge=0)
+    output_tokens: int = Field(default=0, ge=0)
+    cache_write_5m_tokens: int = Field(default=0, ge=0)
+    cache_write_1h_tokens: int = Field(default=0, ge=0)
+    cache_read_tokens: int = Field(default=0, ge=0)
+
+
+class TurnReply(Message):
+    """The model's whole message, what it cost and what is left of the run's budget."""
+
+    turn_id: TurnId
+    content: list[ReplyBlock]
+    stop_reason: str
+    model: ModelName
+    usage: TokenUsage
+    cost_micros: int = Field(ge=0)
+    # None when the run has no budget.
+    budget_remaining_micros: int | None
+    # True when this turn_id had already completed: the stored reply, nothing called.
+    duplicate: bool = False
+
+
+class TurnDelta(Message):
+    """A piece of text of a streaming turn, published on the turn's `delta_subject`."""
+
+    turn_id: TurnId
+    seq: int = Field(ge=1)
+    text: str
+    # Wall-clock seconds (time.time()) when the provider produced this text, so a
+    # subscriber can measure the latency metering added.
+    emitted_at: float
+
+
+class SetBinding(Message):
+    """`cmd.bindings.set`: which model an agent uses at one level of the cascade.
+
+    `model: null` removes the binding at that level. Levels and their keys:
+    `session` (session_id), `agent` (agent_slug, optionally within project_id),
+    `project` (project_id), `workspace` (none).
+    """
+
+    scope: BindingScope
+    project_id: ProjectId | None = None
+    agent_slug: AgentSlug | None = None
+    session_id: UUID | None = None
+    model: ModelName | None
+
+
+class Binding(Message):
+    """One binding as stored."""
+
+    scope: BindingScope
+    project_id: ProjectId | None = None
+    agent_slug: AgentSlug | None = None
+    session_id: UUID | None = None
+    model: ModelName
+    updated_at: datetime | None = None
+
+
+class BindingSetReply(Message):
+    """The binding as it now stands (`removed` when `model` was null)."""
+
+    binding: Binding | None
+    removed: bool = False
+
+
+class ListBindings(Message):
+    """`cmd.bindings.list`: every binding, or those of one project (plus the global ones)."""
+
+    project_id: ProjectId | None = None
+
+
+class BindingsReply(Message):
+    """Bindings, most specific level first."""
+
+    bindings: list[Binding]
+
+
+class ResolveBinding(Message):
+    """`cmd.bindings.resolve`: the model a turn of this agent would use."""
+
+    agent_slug: AgentSlug
+    project_id: ProjectId
+    session_id: UUID | None = None
+
+
+class ResolvedBinding(Message):
+    """The model and the binding that decided it."""
+
+    model: ModelName
+    decided_by: Binding
+
+
+UsageDimension = Literal["project", "session", "agent", "model", "day", "run"]
+
+
+class UsageSummaryRequest(Message):
+    """`cmd.usage.summary`: token usage grouped by one or more dimensions, optionally filtered."""
+
+    group_by: list[UsageDimension] = Field(min_length=1, max_length=5)
+    project_id: ProjectId | None = None
+    session_id: UUID | None = None
+    agent_slug: AgentSlug | None = None
+    run_id: RunId | None = None
+    since: date | None = None
+    until: date | None = None
+
+
+class UsageGroup(Message):
+    """One group of the summary: its keys and its totals."""
+
+    key: dict[str, str | None]
+    calls: int
+    errors: int
+    usage: TokenUsage
+    cost_micros: int
+
+
+class UsageSummaryReply(Message):
+    """Groups ordered by cost, largest first, and the grand total."""
+
+    groups: list[UsageGroup]
+    total_cost_micros: int
+    total_calls: int

@@ -1,0 +1,29 @@
+"""The harness's only way to a model: metering's commands, over NATS."""
+
+from __future__ import annotations
+
+from nats.aio.client import Client
+
+from contracts import subjects
+from contracts.metering import LlmStream, LlmTurn, TurnReply
+from servicekit.client import call
+
+# A model turn can take minutes (long outputs, provider retries); metering bills it
+# whether or not we are still waiting, so waiting long costs nothing extra.
+TURN_TIMEOUT_SECONDS = 600.0
+
+
+class MeteringClient:
+    """Sends turns to metering; a refusal or failure raises `servicekit.client.CommandFailed`."""
+
+    def __init__(self, nc: Client, timeout: float = TURN_TIMEOUT_SECONDS) -> None:
+        self._nc = nc
+        self._timeout = timeout
+
+    async def turn(self, cmd: LlmTurn) -> TurnReply:
+        """One whole-reply turn (`cmd.llm.turn`)."""
+        return await call(self._nc, subjects.LLM_TURN, cmd, TurnReply, timeout=self._timeout)
+
+    async def stream(self, cmd: LlmStream) -> TurnReply:
+        """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`."""
+        return await call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)

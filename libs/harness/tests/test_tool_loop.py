@@ -1,0 +1,210 @@
+"""ToolLoop and the streaming helper against the real metering service (scripted model)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from contracts import subjects
+from contracts.metering import (
+    ChatMessage,
+    ToolResultBlock,
+    ToolUseBlock,
+    TurnDelta,
+    UsageSummaryReply,
+    UsageSummaryRequest,
+)
+from harness import Halt, LoopContext, MeteringClient, Tool, ToolLoop, ToolResult, stream_turn
+from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCall, ScriptStep
+from metering.testing import Metering, Starter
+from servicekit.client import call
+from servicekit.testing import wait_for
+
+NUMBER_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+SCRIPT = Script(
+    steps=[
+        # corrector: a bad call first, the corrected one after seeing the error, then done
+        ScriptStep(
+            agent="corrector",
+            iteration=0,
+            tool_calls=[ScriptedToolCall(name="record", input={"n": -1})],
+        ),
+        ScriptStep(
+            agent="corrector",
+            after_tool_error=True,
+            tool_calls=[ScriptedToolCall(name="record", input={"n": 5})],
+        ),
+        ScriptStep(agent="corrector", text="Recorded 5."),
+        # halter: calls `finish`, whose post hook halts the loop
+        ScriptStep(agent="halter", tool_calls=[ScriptedToolCall(name="finish", input={"n": 1})]),
+        # looper: never stops calling tools
+        ScriptStep(
+            agent="looper",
+            text="again",
+            tool_calls=[ScriptedToolCall(name="record", input={"n": 1})],
+        ),
+        # spender: each turn really spends its max_tokens of output
+        ScriptStep(
+            agent="spender",
+            output_tokens=2000,
+            tool_calls=[ScriptedToolCall(name="record", input={"n": 1})],
+        ),
+        ScriptStep(
+            agent="talker", text="Olá! Vamos desenhar a sua padaria juntos.", token_delay_ms=1
+        ),
+    ]
+)
+
+
+@pytest.fixture
+async def scripted(start_metering: Starter) -> Metering:
+    return await start_metering(provider=ScriptedProvider(SCRIPT))
+
+
+def record_tool(seen: list[int]) -> Tool:
+    async def record(data: dict[str, Any]) -> ToolResult:
+        n = data.get("n")
+        if not isinstance(n, int) or n < 0:
+            return ToolResult.error(f"n must be a whole number ≥ 0; you sent {n!r}. Send it again.")
+        seen.append(n)
+        return ToolResult.ok(f"recorded {n}", data=n)
+
+    return Tool("record", "Record a number.", NUMBER_SCHEMA, record)
+
+
+def context(agent: str, **fields: Any) -> LoopContext:
+    return LoopContext(
+        run_id=f"run-{uuid.uuid4().hex[:10]}",
+        agent_slug=agent,
+        project_id="proj",
+        system="You record numbers.",
+        messages=[ChatMessage(role="user", content="Record a number.")],
+        **fields,
+    )
+
+
+async def run_cost(nc: Client, run_id: str) -> tuple[int, int]:
+    summary = await call(
+        nc,
+        subjects.USAGE_SUMMARY,
+        UsageSummaryRequest(group_by=["run"], run_id=run_id),
+        UsageSummaryReply,
+    )
+    return summary.total_calls, summary.total_cost_micros
+
+
+async def test_a_tool_error_goes_back_verbatim_and_the_model_corrects_itself(
+    nc: Client, scripted: Metering
+) -> None:
+    seen: list[int] = []
+    loop = ToolLoop(MeteringClient(nc), [record_tool(seen)], max_iterations=4)
+    ctx = context("corrector")
+    result = await loop.run(ctx)
+
+    assert (result.status, result.iterations, result.final_text) == ("completed", 3, "Recorded 5.")
+    assert seen == [5]
+    [first, second] = [outcome for _, outcome in result.tool_calls]
+    assert first.is_error and not second.is_error
+    # the second turn's prompt carried the tool's message exactly as the tool wrote it
+    feedback = result.messages[2].content
+    assert isinstance(feedback, list) and isinstance(feedback[0], ToolResultBlock)
+    assert feedback[0].is_error
+    assert feedback[0].content == "n must be a whole number ≥ 0; you sent -1. Send it again."
+    assert (await run_cost(nc, ctx.run_id)) == (3, result.cost_micros)
+    assert result.cost_micros > 0 and result.usage.input_tokens > 0
+
+
+async def test_a_post_tool_hook_halts_the_loop(nc: Client, scripted: Metering) -> None:
+    async def finish(data: dict[str, Any]) -> ToolResult:
+        return ToolResult.ok("finished", data={"accepted": data["n"]})
+
+    async def stop_when_finished(call: ToolUseBlock, outcome: ToolResult) -> Halt | None:
+        if call.name == "finish" and not outcome.is_error:
+            return Halt("finish accepted", outcome.data)
+        return None
+
+    loop = ToolLoop(
+        MeteringClient(nc),
+        [Tool("finish", "Finish.", NUMBER_SCHEMA, finish)],
+        max_iterations=5,
+        post_tool_hooks=[stop_when_finished],
+    )
+    result = await loop.run(context("halter"))
+    assert (result.status, result.iterations) == ("halted", 1)
+    assert result.halt == Halt("finish accepted", {"accepted": 1})
+
+
+async def test_a_pre_tool_hook_refuses_a_call_and_the_model_hears_why(
+    nc: Client, scripted: Metering
+) -> None:
+    seen: list[int] = []
+
+    async def no_records(call: ToolUseBlock) -> str | None:
+        return "recording is closed for today" if call.name == "record" else None
+
+    loop = ToolLoop(
+        MeteringClient(nc), [record_tool(seen)], max_iterations=2, pre_tool_hooks=[no_records]
+    )
+    result = await loop.run(context("looper"))
+    assert seen == []
+    assert [o.content for _, o in result.tool_calls] == ["recording is closed for today"] * 2
+
+
+async def test_the_loop_stops_at_max_iterations(nc: Client, scripted: Metering) -> None:
+    loop = ToolLoop(MeteringClient(nc), [record_tool([])], max_iterations=3)
+    ctx = context("looper")
+    result = await loop.run(ctx)
+    assert (result.status, result.iterations) == ("max_iterations", 3)
+    assert (await run_cost(nc, ctx.run_id))[0] == 3
+
+
+async def test_the_budget_runs_out_mid_loop_and_nothing_more_is_called(
+    nc: Client, scripted: Metering
+) -> None:
+    # max_tokens 2000 of Sonnet output = 30,000 µUSD per turn at most; 2.5 turns of budget.
+    loop = ToolLoop(MeteringClient(nc), [record_tool([])], max_iterations=10, max_tokens=2000)
+    ctx = context("spender", budget_micros=78_000)
+    calls_before = scripted.calls
+    result = await loop.run(ctx)
+
+    assert result.status == "budget_exceeded"
+    assert result.error_code == "budget_exceeded"
+    assert result.iterations == 2
+    assert scripted.calls - calls_before == 2  # the third turn was refused before the provider
+    calls, cost = await run_cost(nc, ctx.run_id)
+    assert (calls, cost) == (2, result.cost_micros)
+    assert cost <= 78_000
+
+
+async def test_stream_turn_publishes_deltas_on_the_sessions_subject(
+    nc: Client, scripted: Metering
+) -> None:
+    session = uuid.uuid4()
+    deltas: list[TurnDelta] = []
+
+    async def collect(msg: Msg) -> None:
+        deltas.append(TurnDelta.model_validate_json(msg.data))
+
+    sub = await nc.subscribe(subjects.delta_subject("bakery", session), cb=collect)
+    await nc.flush()
+    reply = await stream_turn(
+        MeteringClient(nc),
+        run_id="chat-run",
+        turn_id=f"chat-{uuid.uuid4().hex}",
+        agent_slug="talker",
+        project_id="bakery",
+        session_id=session,
+        system="You are Criativo.",
+        messages=[ChatMessage(role="user", content="Quero uma padaria.")],
+        max_tokens=300,
+    )
+    text = "Olá! Vamos desenhar a sua padaria juntos."
+    await wait_for(lambda: "".join(d.text for d in deltas) == text, what="every delta")
+    await sub.unsubscribe()
+    assert [d.seq for d in deltas] == list(range(1, len(deltas) + 1))
+    assert reply.content[0].type == "text" and reply.content[0].text == text

@@ -1,0 +1,3 @@
+from metering.app import run
+
+run()

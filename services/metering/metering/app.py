@@ -1,0 +1,93 @@
+"""Wiring of the metering service: the one place its parts are put together."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from metering.catalog import Catalog
+from metering.handlers import SERVICE, build_endpoints
+from metering.providers.base import Provider
+from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
+from metering.repository import MeteringRepository
+from metering.turns import TurnRunner
+from servicekit.logs import get_logger
+from servicekit.runtime import open_runtime, run_service, wait_until_stopped
+from servicekit.settings import ServiceSettings
+
+SCHEMA = "metering"
+log = get_logger(__name__)
+
+
+class MeteringSettings(ServiceSettings):
+    """Metering's own knobs (`AGENTBUS_PROVIDER`, `AGENTBUS_SCRIPT_PATH`, …).
+
+    `ANTHROPIC_API_KEY` and `ANTHROPIC_BASE_URL` are read unprefixed, as the SDK
+    names them.
+    """
+
+    # auto: `anthropic` when ANTHROPIC_API_KEY is set, `scripted` otherwise.
+    provider: Literal["auto", "anthropic", "scripted"] = "auto"
+    script_path: str | None = None
+    anthropic_api_key: str | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+    anthropic_base_url: str | None = Field(default=None, validation_alias="ANTHROPIC_BASE_URL")
+    provider_max_retries: int = 4
+    provider_timeout_seconds: float = 600.0
+    # Safety net behind the change announcements: the longest a replica's cache is stale.
+    catalog_refresh_seconds: float = 30.0
+
+
+def build_provider(settings: MeteringSettings, script: Script | None = None) -> Provider:
+    """The provider configuration asks for; without a key, the offline script, said loudly."""
+    choice = settings.provider
+    if choice == "auto":
+        choice = "anthropic" if settings.anthropic_api_key else "scripted"
+    if choice == "anthropic":
+        from metering.providers.anthropic import AnthropicProvider
+
+        if not settings.anthropic_api_key:
+            raise SystemExit("AGENTBUS_PROVIDER=anthropic needs ANTHROPIC_API_KEY")
+        log.info("provider_anthropic", base_url=settings.anthropic_base_url or "SDK default")
+        return AnthropicProvider(
+            api_key=settings.anthropic_api_key,
+            base_url=settings.anthropic_base_url,
+            max_retries=settings.provider_max_retries,
+            timeout=settings.provider_timeout_seconds,
+        )
+    if script is None:
+        script = Script.from_file(settings.script_path) if settings.script_path else DEFAULT_SCRIPT
+    log.warning(
+        "provider_scripted",
+        reason="ANTHROPIC_API_KEY is not set"
+        if settings.provider == "auto"
+        else "AGENTBUS_PROVIDER=scripted",
+        script=settings.script_path or "built-in offline demo script",
+        note="model replies are scripted, not generated; set ANTHROPIC_API_KEY for real ones",
+    )
+    return ScriptedProvider(script)
+
+
+async def main(settings: MeteringSettings | None = None, provider: Provider | None = None) -> None:
+    """Serve metering's commands until stopped (tests pass their own provider here)."""
+    settings = settings or MeteringSettings()
+    provider = provider or build_provider(settings)
+    async with open_runtime(SERVICE, SCHEMA, ["metering.migrations"], settings) as rt:
+        repo = MeteringRepository(rt.pool)
+        catalog = Catalog(repo)
+        await catalog.reload()
+        rt.background(catalog.watch(rt.nc, settings.catalog_refresh_seconds), "catalog-watch")
+        runner = TurnRunner(repo, catalog, provider, rt.nc)
+        endpoints = build_endpoints(repo, catalog, runner, rt.nc)
+        service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)
+        try:
+            await wait_until_stopped(rt)
+        finally:
+            await service.stop()
+            await endpoints.drain()
+            await provider.close()
+
+
+def run() -> None:
+    """Entry point: `python -m metering`."""
+    run_service(SERVICE, main())

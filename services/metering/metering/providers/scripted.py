@@ -1,0 +1,277 @@
+"""The `scripted` provider: deterministic replies for tests, benchmarks and the offline demo.
+
+A script is a list of steps; the first whose conditions all hold answers the call.
+A step says what to write (text, tool calls, or a named responder that builds its
+answer from the conversation), how many tokens to report, how fast to emit text,
+and optionally to fail (before or in the middle of the stream) like a real
+provider does. Text is emitted word by word at `token_delay_ms`, scheduled from the
+start of the reply so the rate does not drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.common import ErrorCode
+from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
+from metering.providers.base import OnText, Progress, ProviderError, ProviderReply, ProviderRequest
+
+UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+WORD = re.compile(r"\S+\s*|\s+")
+
+
+class ScriptedToolCall(BaseModel):
+    """A tool call the scripted model makes."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScriptStep(BaseModel):
+    """When this step answers (every condition given must hold) and what it answers."""
+
+    model_config = ConfigDict(extra="forbid")
+    # conditions
+    agent: str | None = None
+    contains: str | None = None  # in the text of the last user message (tool results included)
+    system_contains: str | None = None
+    has_tool: str | None = None  # a tool of this name is offered
+    after_tool_error: bool | None = None  # the last message carries a tool error
+    after_tool_result: bool | None = None  # the last message carries a tool result
+    iteration: int | None = None  # assistant messages so far
+    # answer
+    text: str = ""
+    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
+    responder: (
+        Literal["psychologist_hypotheses", "criativo_rule", "criativo_brief", "echo"] | None
+    ) = None
+    token_delay_ms: float | None = None
+    input_tokens: int | None = None  # default: a quarter of the prompt's bytes
+    output_tokens: int | None = None  # default: words written + 20 per tool call
+    cache_write_5m_tokens: int = 0
+    cache_write_1h_tokens: int = 0
+    cache_read_tokens: int = 0
+    stop_reason: str | None = None
+    fail: Literal["overloaded", "error"] | None = None
+    fail_after_words: int = 0  # words emitted before failing (0: fail before any text)
+
+
+class Script(BaseModel):
+    """Steps tried in order; `token_delay_ms` is the default pace of text."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: list[ScriptStep]
+    token_delay_ms: float = 0.0
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Script:
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+
+def _text_of(message: ChatMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for block in message.content:
+        if block.type == "text":
+            parts.append(block.text)
+        elif block.type == "tool_result":
+            parts.append(block.content)
+    return "\n".join(parts)
+
+
+def _tool_results(message: ChatMessage) -> list[bool]:
+    """The `is_error` flag of each tool result in `message`."""
+    if isinstance(message.content, str):
+        return []
+    return [b.is_error for b in message.content if b.type == "tool_result"]
+
+
+def matches(step: ScriptStep, request: ProviderRequest) -> bool:
+    """Whether every condition of `step` holds for `request`."""
+    last = request.messages[-1]
+    results = _tool_results(last) if last.role == "user" else []
+    checks = [
+        step.agent is None or step.agent == request.agent_slug,
+        step.contains is None or step.contains in _text_of(last),
+        step.system_contains is None or step.system_contains in request.system,
+        step.has_tool is None or any(t.name == step.has_tool for t in request.tools),
+        step.after_tool_error is None or step.after_tool_error == any(results),
+        step.after_tool_result is None or step.after_tool_result == bool(results),
+        step.iteration is None
+        or step.iteration == sum(1 for m in request.messages if m.role == "assistant"),
+    ]
+    return all(checks)
+
+
+# --- responders: answers built from the conversation (the offline demo) -------
+
+
+def _ids_in_conversation(request: ProviderRequest) -> list[str]:
+    seen: dict[str, None] = {}
+    for message in request.messages:
+        for found in UUID_PATTERN.findall(_text_of(message)):
+            seen.setdefault(found, None)
+    return list(seen)
+
+
+def _psychologist_hypotheses(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
+    ids = _ids_in_conversation(request)
+    if not ids:
+        return "The session holds no events I can cite, so I propose no hypothesis.", []
+    hypothesis = {
+        "target_agent": "criativo",
+        "statement": "Criativo recorded the person's rules as they were said, without asking "
+        "for the priorities between them.",
+        "confidence": 60,
+        "evidence_event_ids": ids[-2:],
+        "termination_analysis": "The session ended as its log shows; the closing event is "
+        "the last cited.",
+    }
+    call = ToolUseBlock(
+        id=f"toolu_scripted_{n}", name="emit_hypotheses", input={"hypotheses": [hypothesis]}
+    )
+    return "I read the whole session; here is what its events support.", [call]
+
+
+def _criativo_rule(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
+    said = _text_of(request.messages[-1])
+    ids = UUID_PATTERN.findall(said)
+    words = said.split()
+    reply = f"Entendi. Você quer: {' '.join(words[:12])}. Quem vai usar isso no dia a dia?"
+    if not ids:
+        return reply, []
+    rule = {
+        "type": "business_rule",
+        "title": " ".join(words[:6]) or "Regra",
+        "statement": said.strip()[:500] or "Regra dita pela pessoa.",
+        "origin": [ids[-1]],
+    }
+    return reply, [ToolUseBlock(id=f"toolu_scripted_{n}", name="emit_artifact", input=rule)]
+
+
+def _criativo_brief(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
+    said = " ".join(_text_of(m) for m in request.messages if m.role == "user")
+    brief = {
+        "title": "Product brief",
+        "summary": " ".join(said.split()[:40]) or "What the person described.",
+        "details": "Consolidated from the conversation and its business rules.",
+    }
+    return json.dumps(brief, ensure_ascii=False), []
+
+
+def _echo(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
+    said = " ".join(_text_of(request.messages[-1]).split()[:20])
+    return f"Entendi: «{said}». Conte-me mais sobre isso.", []
+
+
+RESPONDERS: dict[str, Callable[[ProviderRequest, int], tuple[str, list[ToolUseBlock]]]] = {
+    "psychologist_hypotheses": _psychologist_hypotheses,
+    "criativo_rule": _criativo_rule,
+    "criativo_brief": _criativo_brief,
+    "echo": _echo,
+}
+
+
+def _prompt_bytes(request: ProviderRequest) -> int:
+    messages = [m.model_dump(mode="json") for m in request.messages]
+    return len(request.system.encode()) + len(json.dumps(messages).encode())
+
+
+class ScriptedProvider:
+    """Answers from a `Script`; reports the model it was asked for, so pricing is real."""
+
+    name = "scripted"
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.calls = 0
+
+    async def complete(
+        self, request: ProviderRequest, progress: Progress, on_text: OnText | None
+    ) -> ProviderReply:
+        self.calls += 1
+        step = next((s for s in self.script.steps if matches(s, request)), None)
+        if step is None:
+            raise ProviderError(ErrorCode.PROVIDER_ERROR, "the script has no step for this call")
+        if step.responder is not None:
+            text, calls = RESPONDERS[step.responder](request, self.calls)
+        else:
+            text = step.text
+            calls = [
+                ToolUseBlock(id=f"toolu_scripted_{self.calls}_{i}", name=c.name, input=c.input)
+                for i, c in enumerate(step.tool_calls)
+            ]
+        words = WORD.findall(text)
+        # message_start: input and cache tokens are known before any output
+        progress.current = TokenUsage(
+            input_tokens=step.input_tokens
+            if step.input_tokens is not None
+            else -(-_prompt_bytes(request) // 4),
+            cache_write_5m_tokens=step.cache_write_5m_tokens,
+            cache_write_1h_tokens=step.cache_write_1h_tokens,
+            cache_read_tokens=step.cache_read_tokens,
+        )
+        delay = (
+            step.token_delay_ms if step.token_delay_ms is not None else self.script.token_delay_ms
+        ) / 1000
+        started = time.monotonic()
+        for i, word in enumerate(words):
+            if step.fail is not None and i == step.fail_after_words:
+                self._fail(step)
+            if delay:
+                await asyncio.sleep(max(0.0, started + (i + 1) * delay - time.monotonic()))
+            at = progress.text()
+            # cumulative output so far, as a message_delta would report it
+            progress.current = progress.current.model_copy(update={"output_tokens": i + 1})
+            if on_text is not None:
+                await on_text(word, at)
+        if step.fail is not None:
+            self._fail(step)
+        output = (
+            step.output_tokens if step.output_tokens is not None else len(words) + 20 * len(calls)
+        )
+        progress.current = progress.current.model_copy(update={"output_tokens": output})
+        content: list[ReplyBlock] = [TextBlock(text=text)] if text else []
+        content.extend(calls)
+        stop = step.stop_reason or ("tool_use" if calls else "end_turn")
+        return ProviderReply(content=content, stop_reason=stop, model=request.model)
+
+    @staticmethod
+    def _fail(step: ScriptStep) -> None:
+        if step.fail == "overloaded":
+            raise ProviderError(
+                ErrorCode.PROVIDER_OVERLOADED, "the scripted provider is overloaded"
+            )
+        raise ProviderError(ErrorCode.PROVIDER_ERROR, "the scripted provider failed as scripted")
+
+    async def close(self) -> None:
+        return None
+
+
+# The offline demo: every flow of the system completes without a key (issue 4).
+DEFAULT_SCRIPT = Script(
+    token_delay_ms=15,
+    steps=[
+        ScriptStep(
+            has_tool="emit_hypotheses", after_tool_result=False, responder="psychologist_hypotheses"
+        ),
+        ScriptStep(
+            has_tool="emit_hypotheses", after_tool_error=True, responder="psychologist_hypotheses"
+        ),
+        ScriptStep(has_tool="emit_hypotheses", text="Análise concluída."),
+        ScriptStep(contains="product_brief", responder="criativo_brief"),
+        ScriptStep(has_tool="emit_artifact", after_tool_result=False, responder="criativo_rule"),
+        ScriptStep(has_tool="emit_artifact", text="Anotei essa regra. O que mais é importante?"),
+        ScriptStep(responder="echo"),
+    ],
+)

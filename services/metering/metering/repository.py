@@ -1,0 +1,298 @@
+"""Metering's SQL. Every statement is parameterised; nothing is built from strings."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from contracts.metering import (
+    Binding,
+    SetBinding,
+    TokenUsage,
+    TurnReply,
+    UsageGroup,
+    UsageSummaryReply,
+    UsageSummaryRequest,
+)
+from domain.metering import Price, RunBudget
+from servicekit.db import Connection
+
+BINDING_COLUMNS = "scope, project_id, agent_slug, session_id, model, updated_at"
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One `token_usage` row: who called, what it consumed and cost, how it ended."""
+
+    turn_id: str
+    run_id: str
+    kind: str
+    provider: str
+    model: str
+    agent_slug: str
+    project_id: str
+    session_id: UUID | None
+    usage: TokenUsage
+    cost_micros: int
+    status: str
+    error_code: str | None
+    error_message: str | None
+    started_at: datetime
+    first_token_at: datetime | None
+    finished_at: datetime
+    reply: TurnReply | None
+
+    def as_log(self) -> dict[str, Any]:
+        """The row as log fields (the reply left out: it can be large)."""
+        fields = {k: v for k, v in vars(self).items() if k not in ("reply", "usage")}
+        return {**fields, **self.usage.model_dump()}
+
+
+@dataclass(frozen=True)
+class EndedTurn:
+    """A turn that already has its usage row."""
+
+    status: str
+    error_code: str | None
+    reply: TurnReply | None
+
+
+def _binding(row: asyncpg.Record) -> Binding:
+    return Binding.model_validate(dict(row))
+
+
+class BudgetTransaction:
+    """The statements that run while one run's budget row is locked."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    async def lock_run(self, run_id: str) -> RunBudget:
+        """The run's budget, created empty on its first turn, locked until commit.
+
+        One statement: the no-op update of an existing row takes its row lock."""
+        row = await self._conn.fetchrow(
+            """INSERT INTO run_budgets (run_id) VALUES ($1)
+               ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
+               RETURNING budget_micros, spent_micros, reserved_micros""",
+            run_id,
+        )
+        assert row is not None
+        return RunBudget(row["budget_micros"], row["spent_micros"], row["reserved_micros"])
+
+    async def save_run(self, run_id: str, run: RunBudget) -> None:
+        await self._conn.execute(
+            """UPDATE run_budgets SET budget_micros = $2, spent_micros = $3, reserved_micros = $4,
+                      updated_at = now()
+                WHERE run_id = $1""",
+            run_id,
+            run.budget,
+            run.spent,
+            run.reserved,
+        )
+
+    async def hold(self, run_id: str, turn_id: str, amount: int, run: RunBudget) -> bool:
+        """Claim the turn id with its hold and save the run that holds it, in one statement;
+        False (nothing written) when the turn id is already claimed."""
+        claimed = await self._conn.fetchval(
+            """WITH claim AS (
+                   INSERT INTO budget_holds (turn_id, run_id, hold_micros) VALUES ($1, $2, $3)
+                   ON CONFLICT (turn_id) DO NOTHING RETURNING true)
+               UPDATE run_budgets SET budget_micros = $4, spent_micros = $5,
+                      reserved_micros = $6, updated_at = now()
+                WHERE run_id = $2 AND EXISTS (SELECT 1 FROM claim)
+               RETURNING true""",
+            turn_id,
+            run_id,
+            amount,
+            run.budget,
+            run.spent,
+            run.reserved,
+        )
+        return bool(claimed)
+
+    async def settle_hold(self, turn_id: str, cost: int) -> int | None:
+        """Mark the turn's hold settled at `cost`; returns what it held (None if settled before)."""
+        held: int | None = await self._conn.fetchval(
+            """UPDATE budget_holds SET status = 'settled', cost_micros = $2, settled_at = now()
+                WHERE turn_id = $1 AND status = 'held' RETURNING hold_micros""",
+            turn_id,
+            cost,
+        )
+        return held
+
+    async def insert_usage(self, record: UsageRecord) -> bool:
+        """Write the call's usage row; False when the turn already had one (nothing written)."""
+        u = record.usage
+        inserted = await self._conn.fetchval(
+            """INSERT INTO token_usage (turn_id, run_id, kind, provider, model, agent_slug,
+                   project_id, session_id, input_tokens, output_tokens, cache_write_5m_tokens,
+                   cache_write_1h_tokens, cache_read_tokens, cost_micros, status, error_code,
+                   error_message, started_at, first_token_at, finished_at, reply)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+                       $17, $18, $19, $20, $21)
+               ON CONFLICT (turn_id) DO NOTHING RETURNING true""",
+            record.turn_id,
+            record.run_id,
+            record.kind,
+            record.provider,
+            record.model,
+            record.agent_slug,
+            record.project_id,
+            record.session_id,
+            u.input_tokens,
+            u.output_tokens,
+            u.cache_write_5m_tokens,
+            u.cache_write_1h_tokens,
+            u.cache_read_tokens,
+            record.cost_micros,
+            record.status,
+            record.error_code,
+            record.error_message,
+            record.started_at,
+            record.first_token_at,
+            record.finished_at,
+            record.reply.model_dump(mode="json") if record.reply is not None else None,
+        )
+        return bool(inserted)
+
+
+class MeteringRepository:
+    """Reads and transactions over the `metering` schema."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[BudgetTransaction]:
+        """One unit of work: everything inside commits together or not at all."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            yield BudgetTransaction(conn)
+
+    async def ended_turn(self, turn_id: str) -> EndedTurn | None:
+        """The outcome of a turn that already ran, if it did."""
+        row = await self._pool.fetchrow(
+            "SELECT status, error_code, reply FROM token_usage WHERE turn_id = $1", turn_id
+        )
+        if row is None:
+            return None
+        reply = TurnReply.model_validate(row["reply"]) if row["reply"] is not None else None
+        return EndedTurn(row["status"], row["error_code"], reply)
+
+    async def bindings(self) -> list[Binding]:
+        """Every binding (the table is small: the cache holds all of it)."""
+        rows = await self._pool.fetch(f"SELECT {BINDING_COLUMNS} FROM bindings ORDER BY id")
+        return [_binding(r) for r in rows]
+
+    async def prices(self) -> list[Price]:
+        rows = await self._pool.fetch(
+            """SELECT model, effective_from, input_micros, output_micros, cache_write_5m_micros,
+                      cache_write_1h_micros, cache_read_micros FROM prices"""
+        )
+        return [Price(*r.values()) for r in rows]
+
+    async def known_model(self, model: str) -> bool:
+        return bool(await self._pool.fetchval("SELECT 1 FROM prices WHERE model = $1", model))
+
+    async def set_binding(self, cmd: SetBinding) -> Binding | None:
+        """Create, replace or (model null) remove the binding at the level `cmd` names."""
+        keys = (cmd.scope, cmd.project_id, cmd.agent_slug, cmd.session_id)
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                """DELETE FROM bindings WHERE scope = $1
+                      AND project_id IS NOT DISTINCT FROM $2
+                      AND agent_slug IS NOT DISTINCT FROM $3
+                      AND session_id IS NOT DISTINCT FROM $4""",
+                *keys,
+            )
+            if cmd.model is None:
+                return None
+            row = await conn.fetchrow(
+                f"""INSERT INTO bindings (scope, project_id, agent_slug, session_id, model)
+                    VALUES ($1, $2, $3, $4, $5) RETURNING {BINDING_COLUMNS}""",
+                *keys,
+                cmd.model,
+            )
+            assert row is not None
+            return _binding(row)
+
+    async def list_bindings(self, project_id: str | None) -> list[Binding]:
+        """Bindings of a project and the global ones (or all), most specific level first."""
+        rows = await self._pool.fetch(
+            f"""SELECT {BINDING_COLUMNS} FROM bindings
+                 WHERE $1::text IS NULL OR project_id IS NULL OR project_id = $1
+                 ORDER BY array_position(ARRAY['session', 'agent', 'project', 'workspace'], scope),
+                          project_id NULLS LAST, agent_slug, session_id""",
+            project_id,
+        )
+        return [_binding(r) for r in rows]
+
+    async def summary(self, req: UsageSummaryRequest) -> UsageSummaryReply:
+        """Usage grouped by the requested dimensions; each one is a flag, never SQL text."""
+        by = set(req.group_by)
+        rows = await self._pool.fetch(
+            """SELECT CASE WHEN $1 THEN project_id END AS project,
+                      CASE WHEN $2 THEN session_id::text END AS session,
+                      CASE WHEN $3 THEN agent_slug END AS agent,
+                      CASE WHEN $4 THEN model END AS model,
+                      CASE WHEN $5 THEN to_char(started_at AT TIME ZONE 'UTC', 'YYYY-MM-DD') END
+                          AS day,
+                      CASE WHEN $6 THEN run_id END AS run,
+                      count(*) AS calls,
+                      count(*) FILTER (WHERE status <> 'ok') AS errors,
+                      sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens,
+                      sum(cache_write_5m_tokens) AS cache_write_5m_tokens,
+                      sum(cache_write_1h_tokens) AS cache_write_1h_tokens,
+                      sum(cache_read_tokens) AS cache_read_tokens,
+                      sum(cost_micros) AS cost_micros
+                 FROM token_usage
+                WHERE ($7::text IS NULL OR project_id = $7)
+                  AND ($8::uuid IS NULL OR session_id = $8)
+                  AND ($9::text IS NULL OR agent_slug = $9)
+                  AND ($10::text IS NULL OR run_id = $10)
+                  AND ($11::date IS NULL OR started_at >= $11::date)
+                  AND ($12::date IS NULL OR started_at < $12::date + 1)
+                GROUP BY 1, 2, 3, 4, 5, 6
+                ORDER BY cost_micros DESC, 1, 2, 3, 4, 5, 6""",
+            "project" in by,
+            "session" in by,
+            "agent" in by,
+            "model" in by,
+            "day" in by,
+            "run" in by,
+            req.project_id,
+            req.session_id,
+            req.agent_slug,
+            req.run_id,
+            req.since,
+            req.until,
+        )
+        groups = [_group(r, req.group_by) for r in rows]
+        return UsageSummaryReply(
+            groups=groups,
+            total_cost_micros=sum(g.cost_micros for g in groups),
+            total_calls=sum(g.calls for g in groups),
+        )
+
+
+def _group(row: asyncpg.Record, dimensions: Sequence[str]) -> UsageGroup:
+    values: dict[str, Any] = dict(row)
+    return UsageGroup(
+        key={d: values[d] for d in dimensions},
+        calls=values["calls"],
+        errors=values["errors"],
+        usage=TokenUsage(
+            input_tokens=values["input_tokens"],
+            output_tokens=values["output_tokens"],
+            cache_write_5m_tokens=values["cache_write_5m_tokens"],
+            cache_write_1h_tokens=values["cache_write_1h_tokens"],
+            cache_read_tokens=values["cache_read_tokens"],
+        ),
+        cost_micros=values["cost_micros"],
+    )

@@ -1,0 +1,250 @@
+"""One metered turn: resolve the model, reserve the worst case, call, bill, settle.
+
+The order is the guarantee (ADR 0008 decision 2, DESIGN.md "budget races"):
+1. the run's budget row is locked and the turn's worst case is held before the
+   provider is called — a turn that does not fit is refused and nothing is called;
+2. whatever happens to the call (success, provider error, cancellation), its usage
+   row is written and its hold settled to the real cost, in one transaction;
+3. a turn id whose row exists is answered from that row, never called again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from nats.aio.client import Client
+
+from contracts.common import ErrorCode
+from contracts.metering import LlmStream, LlmTurn, TurnDelta, TurnReply
+from domain.errors import DomainError
+from domain.metering import (
+    RunBudget,
+    choose_budget,
+    cost_micros,
+    estimate_input_tokens,
+    reserve,
+    settle,
+    worst_case_micros,
+)
+from metering.catalog import Catalog
+from metering.providers.base import Progress, Provider, ProviderError, ProviderRequest
+from metering.repository import EndedTurn, MeteringRepository, UsageRecord
+from servicekit.endpoint import UNAVAILABLE_ERRORS
+from servicekit.logs import get_logger
+
+log = get_logger(__name__)
+
+# Writing the bill is retried for about half a minute before giving up on the store.
+RECORD_ATTEMPTS = 9
+
+
+def prompt_bytes(cmd: LlmTurn) -> int:
+    """The size of what the model reads: system prompt, conversation and tool schemas."""
+    body = json.dumps(
+        [
+            [m.model_dump(mode="json") for m in cmd.messages],
+            [t.model_dump(mode="json") for t in cmd.tools],
+        ]
+    )
+    return len(cmd.system.encode()) + len(body.encode())
+
+
+def _at(seconds: float | None) -> datetime | None:
+    return datetime.fromtimestamp(seconds, UTC) if seconds is not None else None
+
+
+def replay(turn_id: str, ended: EndedTurn) -> TurnReply:
+    """The answer to a turn id that already ran: its stored reply, or why it cannot be rerun."""
+    if ended.reply is not None:
+        return ended.reply.model_copy(update={"duplicate": True})
+    raise DomainError(
+        ErrorCode.TURN_ALREADY_FAILED,
+        f"turn {turn_id} already ended as {ended.status} ({ended.error_code}); "
+        "retry with a new turn_id",
+        turn_id=turn_id,
+        status=ended.status,
+        error_code=ended.error_code,
+    )
+
+
+@dataclass
+class DeltaPublisher:
+    """Publishes a streaming turn's text on its delta subject, numbered from 1, in order."""
+
+    nc: Client
+    subject: str
+    turn_id: str
+    seq: int = 0
+
+    async def __call__(self, text: str, emitted_at: float) -> None:
+        self.seq += 1
+        delta = TurnDelta(turn_id=self.turn_id, seq=self.seq, text=text, emitted_at=emitted_at)
+        try:
+            # Core NATS: no ack to wait for on the per-token path; the DELTAS stream
+            # captures `agent.delta.>` for a client that reconnects.
+            await self.nc.publish(self.subject, delta.model_dump_json().encode())
+        except Exception as exc:  # the turn is still completed and billed
+            log.warning("delta_publish_failed", turn_id=self.turn_id, error=repr(exc))
+
+
+class TurnRunner:
+    """Runs metered turns against one provider."""
+
+    def __init__(
+        self,
+        repo: MeteringRepository,
+        catalog: Catalog,
+        provider: Provider,
+        nc: Client,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._repo = repo
+        self._catalog = catalog
+        self._provider = provider
+        self._nc = nc
+        self._clock = clock
+
+    async def run(self, cmd: LlmTurn) -> TurnReply:
+        """Answer `cmd.llm.turn` / `cmd.llm.stream` (an `LlmStream` streams its deltas)."""
+        started = self._clock()
+        binding = self._catalog.resolve(cmd.agent_slug, cmd.project_id, cmd.session_id)
+        price = self._catalog.price(binding.model, datetime.fromtimestamp(started, UTC).date())
+        input_estimate = estimate_input_tokens(prompt_bytes(cmd), len(cmd.messages))
+        hold = worst_case_micros(input_estimate, cmd.max_tokens, price)
+        # Three round trips on the first-token path: lock, decide in Python, claim + save.
+        try:
+            async with self._repo.transaction() as tx:
+                run = await tx.lock_run(cmd.run_id)
+                budget = choose_budget(run.budget, cmd.budget_micros, cmd.run_id)
+                run = reserve(RunBudget(budget, run.spent, run.reserved), hold, cmd.run_id)
+                claimed = await tx.hold(cmd.run_id, cmd.turn_id, hold, run)
+        except DomainError:
+            # A turn that already ran is answered from its row even when the run
+            # could not afford it again today.
+            ended = await self._repo.ended_turn(cmd.turn_id)
+            if ended is None:
+                raise
+            return replay(cmd.turn_id, ended)
+        if not claimed:  # this turn id ran, or runs: answer from its row, call nothing
+            return await self._repeated(cmd.turn_id)
+
+        request = ProviderRequest(
+            model=binding.model,
+            agent_slug=cmd.agent_slug,
+            system=cmd.system,
+            messages=list(cmd.messages),
+            tools=list(cmd.tools),
+            max_tokens=cmd.max_tokens,
+        )
+        progress = Progress()
+        stream = isinstance(cmd, LlmStream)
+        on_text = (
+            DeltaPublisher(self._nc, cmd.delta_subject, cmd.turn_id)
+            if isinstance(cmd, LlmStream)
+            else None
+        )
+        status, error = "ok", None
+        reply = None
+        try:
+            reply = await self._provider.complete(request, progress, on_text)
+        except ProviderError as exc:
+            status, error = "error", DomainError(exc.code, exc.message)
+        except asyncio.CancelledError:
+            # Shut down mid-call: bill what the provider produced, then stop.
+            status = "cancelled"
+            error = DomainError(ErrorCode.UNAVAILABLE, "the turn was cancelled; retry it")
+        except Exception as exc:
+            log.exception("provider_failed", turn_id=cmd.turn_id)
+            status, error = "error", DomainError(ErrorCode.PROVIDER_ERROR, repr(exc))
+
+        usage = progress.usage
+        cost = cost_micros(usage, price)
+        answer = None
+        if reply is not None:
+            answer = TurnReply(
+                turn_id=cmd.turn_id,
+                content=reply.content,
+                stop_reason=reply.stop_reason,
+                model=reply.model,
+                usage=usage,
+                cost_micros=cost,
+                budget_remaining_micros=None,
+            )
+        record = UsageRecord(
+            turn_id=cmd.turn_id,
+            run_id=cmd.run_id,
+            kind="stream" if stream else "turn",
+            provider=self._provider.name,
+            model=binding.model,
+            agent_slug=cmd.agent_slug,
+            project_id=cmd.project_id,
+            session_id=cmd.session_id,
+            usage=usage,
+            cost_micros=cost,
+            status=status,
+            error_code=error.code if error else None,
+            error_message=error.message if error else None,
+            started_at=datetime.fromtimestamp(started, UTC),
+            first_token_at=_at(progress.first_token_at),
+            finished_at=datetime.fromtimestamp(self._clock(), UTC),
+            reply=answer,
+        )
+        # Shielded: a cancellation must not stop the bill from being written.
+        remaining = await asyncio.shield(self._record(record, cmd.run_id))
+        if status == "cancelled":
+            raise asyncio.CancelledError
+        if error is not None:
+            error.details.update(turn_id=cmd.turn_id, cost_micros=cost, status=status)
+            raise error
+        assert answer is not None
+        return answer.model_copy(update={"budget_remaining_micros": remaining})
+
+    async def _repeated(self, turn_id: str) -> TurnReply:
+        ended = await self._repo.ended_turn(turn_id)
+        if ended is None:
+            raise DomainError(
+                ErrorCode.TURN_IN_PROGRESS,
+                f"turn {turn_id} is already running; wait for its reply or use a new turn_id",
+                turn_id=turn_id,
+            )
+        return replay(turn_id, ended)
+
+    async def _record(self, record: UsageRecord, run_id: str) -> int | None:
+        """Write the usage row and settle the hold, retrying while the store is unreachable."""
+        for attempt in range(RECORD_ATTEMPTS):
+            try:
+                return await self._record_once(record, run_id)
+            except UNAVAILABLE_ERRORS as exc:
+                if attempt == RECORD_ATTEMPTS - 1:
+                    # Last resort: the row, in full, in the log, so it can be replayed.
+                    log.error("usage_row_unwritten", error=repr(exc), **record.as_log())
+                    raise
+                await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+        raise AssertionError("unreachable")
+
+    async def _record_once(self, record: UsageRecord, run_id: str) -> int | None:
+        """The usage row and the settled hold in one transaction (run row locked first,
+        in the same order as a reservation, so the two never deadlock)."""
+        async with self._repo.transaction() as tx:
+            run = await tx.lock_run(run_id)
+            if await tx.insert_usage(record):
+                held = await tx.settle_hold(record.turn_id, record.cost_micros)
+                # No live hold (lost with a crashed store): the cost is still spent.
+                run = settle(run, held or 0, record.cost_micros)
+                await tx.save_run(run_id, run)
+        if run.budget is not None and run.spent > run.budget:
+            log.warning("run_overspent", run_id=run_id, budget=run.budget, spent=run.spent)
+        log.info(
+            "turn_billed",
+            turn_id=record.turn_id,
+            run_id=run_id,
+            model=record.model,
+            status=record.status,
+            cost_micros=record.cost_micros,
+        )
+        return run.remaining

@@ -1,0 +1,321 @@
+"""The `anthropic` provider — the official SDK — against a local fake of the Messages API."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from contracts import subjects
+from contracts.common import ErrorCode
+from contracts.metering import (
+    ChatMessage,
+    LlmStream,
+    TextBlock,
+    TokenUsage,
+    ToolUseBlock,
+    TurnDelta,
+    TurnReply,
+)
+from domain.metering import cost_micros
+from metering.app import MeteringSettings, build_provider
+from metering.providers.anthropic import AnthropicProvider
+from metering.providers.base import Progress, ProviderError, ProviderRequest
+from metering.testing import Starter
+from servicekit.client import call
+from servicekit.testing import wait_for
+
+from .fake_messages_api import (
+    MESSAGE_STOP,
+    FakeMessagesApi,
+    Reply,
+    error_reply,
+    message_body,
+    message_delta,
+    message_start,
+    overloaded_event,
+    text_block,
+    tool_block,
+)
+from .test_metering_service import SONNET
+
+REQUEST = ProviderRequest(
+    model="claude-sonnet-4-6",
+    agent_slug="criativo",
+    system="You are Criativo.",
+    messages=[
+        ChatMessage(role="user", content="I want a bakery app."),
+        ChatMessage(role="assistant", content="Tell me more."),
+        ChatMessage(role="user", content="Orders close at 18h."),
+    ],
+    tools=[],
+    max_tokens=500,
+)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fake() -> AsyncIterator[FakeMessagesApi]:
+    server = await FakeMessagesApi().start()
+    yield server
+    await server.stop()
+
+
+class Sleeps:
+    """Records the waits the provider asks for instead of sleeping through them."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+
+
+def provider(fake: FakeMessagesApi, sleeps: Sleeps | None = None) -> AnthropicProvider:
+    return AnthropicProvider(
+        api_key="test-key", base_url=fake.base_url, max_retries=3, sleep=sleeps or Sleeps()
+    )
+
+
+class Texts:
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    async def __call__(self, text: str, emitted_at: float) -> None:
+        self.pieces.append(text)
+
+
+def streamed(*events: Any) -> Reply:
+    flat: list[Any] = []
+    for e in events:
+        flat.extend(e if isinstance(e, list) else [e])
+    return Reply(events=flat)
+
+
+async def test_text_streams_in_order_and_usage_takes_the_last_cumulative_delta(
+    fake: FakeMessagesApi,
+) -> None:
+    fake.replies.append(
+        streamed(
+            message_start(25, cache_read=1000, cache_5m=30, cache_1h=10),
+            text_block(0, ["Orders ", "close ", "at 18h."]),
+            message_delta(5, stop_reason=None),  # cumulative: 5 so far
+            message_delta(12),  # cumulative: 12 in all — never 5 + 12
+            MESSAGE_STOP,
+        )
+    )
+    texts, progress = Texts(), Progress()
+    llm = provider(fake)
+    reply = await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+
+    assert texts.pieces == ["Orders ", "close ", "at 18h."]
+    assert reply.content == [TextBlock(text="Orders close at 18h.")]
+    assert (reply.stop_reason, reply.model) == ("end_turn", "claude-sonnet-4-6")
+    assert progress.usage == TokenUsage(
+        input_tokens=25,
+        output_tokens=12,
+        cache_write_5m_tokens=30,
+        cache_write_1h_tokens=10,
+        cache_read_tokens=1000,
+    )
+    assert progress.first_token_at is not None
+    sent = fake.requests[-1]
+    assert sent.path == "/v1/messages"
+    # SDK 2.x sends the key as a bearer token (older ones used x-api-key)
+    assert "test-key" in sent.headers.get("x-api-key", sent.headers.get("authorization", ""))
+    assert sent.body["stream"] is True and sent.body["model"] == "claude-sonnet-4-6"
+    # prompt caching: the system prompt, the previous user turn (read back) and the
+    # end of the conversation (written for the next turn)
+    assert sent.body["system"][0]["cache_control"] == {"type": "ephemeral"}
+    marked = [i for i, m in enumerate(sent.body["messages"]) if "cache_control" in m["content"][-1]]
+    assert marked == [0, 2]
+
+
+async def test_a_tool_use_block_streamed_as_input_json_delta_is_assembled(
+    fake: FakeMessagesApi,
+) -> None:
+    fake.replies.append(
+        streamed(
+            message_start(40),
+            text_block(0, ["Recording it."]),
+            tool_block(1, "toolu_1", "emit_artifact", ['{"title": "Hou', 'rs", "origin": ["a"]}']),
+            message_delta(30, stop_reason="tool_use"),
+            MESSAGE_STOP,
+        )
+    )
+    llm = provider(fake)
+    reply = await llm.complete(REQUEST, Progress(), Texts())
+    await llm.close()
+    assert reply.stop_reason == "tool_use"
+    assert reply.content[1] == ToolUseBlock(
+        id="toolu_1", name="emit_artifact", input={"title": "Hours", "origin": ["a"]}
+    )
+
+
+async def test_a_whole_turn_uses_create_and_reads_cache_usage(fake: FakeMessagesApi) -> None:
+    fake.replies.append(Reply(body=message_body("Hi.", 12, 3, cache_read=900)))
+    progress = Progress()
+    llm = provider(fake)
+    reply = await llm.complete(REQUEST, progress, None)
+    await llm.close()
+    assert reply.content == [TextBlock(text="Hi.")]
+    assert "stream" not in fake.requests[-1].body
+    assert progress.usage == TokenUsage(input_tokens=12, output_tokens=3, cache_read_tokens=900)
+
+
+async def test_an_overload_before_any_text_is_retried_and_both_attempts_are_billed(
+    fake: FakeMessagesApi,
+) -> None:
+    fake.replies.append(streamed(message_start(50), overloaded_event()))
+    fake.replies.append(
+        streamed(message_start(50), text_block(0, ["ok"]), message_delta(2), MESSAGE_STOP)
+    )
+    sleeps, progress, texts = Sleeps(), Progress(), Texts()
+    llm = provider(fake, sleeps)
+    reply = await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+    assert reply.content == [TextBlock(text="ok")] and texts.pieces == ["ok"]
+    assert len(sleeps.delays) == 1 and 0 < sleeps.delays[0] <= 0.5  # backoff, no retry-after
+    # the failed attempt's message_start (50 in, 1 out so far) stays billed
+    assert progress.usage == TokenUsage(input_tokens=100, output_tokens=3)
+
+
+async def test_an_overload_mid_stream_after_text_fails_without_repeating_deltas(
+    fake: FakeMessagesApi,
+) -> None:
+    fake.replies.append(
+        streamed(message_start(60), text_block(0, ["one ", "two "])[:-1], overloaded_event())
+    )
+    sleeps, progress, texts = Sleeps(), Progress(), Texts()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_OVERLOADED
+    assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
+    # billed for the input and at least one token per text received
+    assert progress.usage == TokenUsage(input_tokens=60, output_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"), [({"retry-after": "2"}, 2.0), ({"retry-after-ms": "1500"}, 1.5)]
+)
+async def test_a_429_is_retried_after_the_wait_the_server_asked_for(
+    fake: FakeMessagesApi, headers: dict[str, str], expected: float
+) -> None:
+    fake.replies.append(error_reply(429, "rate_limit_error", **headers))
+    fake.replies.append(Reply(body=message_body("after the wait", 10, 4)))
+    sleeps = Sleeps()
+    llm = provider(fake, sleeps)
+    reply = await llm.complete(REQUEST, Progress(), None)
+    await llm.close()
+    assert reply.content == [TextBlock(text="after the wait")]
+    assert sleeps.delays == [expected]
+
+
+async def test_a_529_is_retried_until_the_retries_run_out(fake: FakeMessagesApi) -> None:
+    fake.replies.extend(error_reply(529, "overloaded_error") for _ in range(4))
+    sleeps = Sleeps()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, Progress(), None)
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_OVERLOADED
+    assert len(sleeps.delays) == 3  # max_retries=3: four attempts in all
+
+
+async def test_a_bad_request_is_not_retried_and_its_message_is_kept(fake: FakeMessagesApi) -> None:
+    fake.replies.append(error_reply(400, "invalid_request_error"))
+    sleeps = Sleeps()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, Progress(), None)
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert "invalid_request_error" in failed.value.message
+    assert sleeps.delays == []
+
+
+async def test_a_connection_dropped_mid_stream_is_billed_for_what_arrived(
+    fake: FakeMessagesApi,
+) -> None:
+    events = [message_start(70), *text_block(0, ["a ", "b ", "c "])]
+    fake.replies.append(Reply(events=events, drop_after=len(events) - 1))
+    progress, texts = Progress(), Texts()
+    llm = provider(fake)
+    with pytest.raises(ProviderError):
+        await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+    assert progress.usage == TokenUsage(input_tokens=70, output_tokens=len(texts.pieces))
+    assert texts.pieces
+
+
+async def test_a_call_cancelled_mid_stream_disconnects_and_keeps_its_usage(
+    fake: FakeMessagesApi,
+) -> None:
+    fake.client_left.clear()
+    events = [message_start(80), *text_block(0, ["x ", "y ", "z "]), message_delta(9)]
+    fake.replies.append(Reply(events=events, hold_after=len(events) - 2))
+    progress, texts = Progress(), Texts()
+    llm = provider(fake)
+    task = asyncio.create_task(llm.complete(REQUEST, progress, texts))
+    await wait_for(lambda: len(texts.pieces) == 3, what="three texts before the hold")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(fake.client_left.wait(), 10)  # the SDK closed the connection
+    await llm.close()
+    assert progress.usage == TokenUsage(input_tokens=80, output_tokens=3)
+
+
+async def test_metering_streams_and_bills_through_the_sdk_at_anthropic_base_url(
+    fake: FakeMessagesApi, start_metering: Starter, nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The SDK's own variable names the endpoint; configuration picks the provider.
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.base_url)
+    chosen = build_provider(MeteringSettings(provider="auto"))
+    assert isinstance(chosen, AnthropicProvider)
+    running = await start_metering(provider=chosen)
+
+    fake.replies.append(
+        streamed(
+            message_start(300, cache_read=2000, cache_5m=100),
+            text_block(0, ["Bom ", "dia."]),
+            message_delta(4),
+            MESSAGE_STOP,
+        )
+    )
+    subject = f"agent.delta.proj.{uuid.uuid4()}"
+    deltas: list[TurnDelta] = []
+
+    async def collect(msg: Msg) -> None:
+        deltas.append(TurnDelta.model_validate_json(msg.data))
+
+    await nc.subscribe(subject, cb=collect)
+    await nc.flush()
+    cmd = LlmStream(
+        run_id="run-a",
+        turn_id=f"turn-{uuid.uuid4().hex}",
+        agent_slug="criativo",
+        project_id="proj",
+        messages=[ChatMessage(role="user", content="Olá")],
+        max_tokens=100,
+        delta_subject=subject,
+    )
+    reply = await call(nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=30)
+    usage = TokenUsage(
+        input_tokens=300, output_tokens=4, cache_write_5m_tokens=100, cache_read_tokens=2000
+    )
+    assert reply.usage == usage and reply.cost_micros == cost_micros(usage, SONNET)
+    await wait_for(lambda: len(deltas) == 2, what="two deltas")
+    assert [d.text for d in deltas] == ["Bom ", "dia."]
+    row = await running.db.fetchrow("SELECT * FROM token_usage WHERE turn_id = $1", cmd.turn_id)
+    assert row is not None
+    assert (row["provider"], row["status"], row["cache_read_tokens"]) == ("anthropic", "ok", 2000)
