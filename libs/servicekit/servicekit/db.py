@@ -35,6 +35,12 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         await conn.set_type_codec(kind, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+async def _keep_session_state(conn: asyncpg.Connection) -> None:
+    """No reset query on release: it costs a round trip per transaction, and nothing here
+    leaves session state behind — advisory locks are transaction-scoped or released
+    explicitly (`migrate`), settings are `SET LOCAL`, listeners remove themselves."""
+
+
 async def create_pool(url: str, schema: str, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
     """A pool whose connections search the service's schema first."""
     pool = await asyncpg.create_pool(
@@ -42,6 +48,7 @@ async def create_pool(url: str, schema: str, min_size: int = 2, max_size: int = 
         min_size=min_size,
         max_size=max_size,
         init=_init_connection,
+        reset=_keep_session_state,
         server_settings={"search_path": f"{schema},public", "application_name": schema},
     )
     assert pool is not None

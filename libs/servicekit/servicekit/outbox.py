@@ -48,6 +48,40 @@ MAX_BACKOFF_SECONDS = 60.0
 TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value})
 
 
+def queue_statement(first: int) -> str:
+    """The outbox insert (and its wake-up notify) as the tail of a `WITH`, parameters
+    `$first`..`$first+5` (see `queue_args`).
+
+    Put your own data-modifying CTEs before it, and the effect and its outbox row are
+    written in one round trip: `WITH effect AS (…), {queue_statement(n + 1)}`.
+    """
+    p = [f"${first + i}" for i in range(6)]
+    return (
+        "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
+        f"VALUES ({p[0]}, {p[1]}, {p[2]}, {p[3]}, {p[4]})) "
+        # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
+        f"SELECT pg_notify({p[5]}, '')"
+    )
+
+
+def queue_args(
+    subject: str,
+    msg_id: str,
+    body: bytes,
+    headers: Mapping[str, str] | None = None,
+    ordering_key: str | None = None,
+) -> list[Any]:
+    """The parameters of `queue_statement`, in order; the trace context is added here."""
+    return [
+        subject,
+        msg_id,
+        body,
+        inject_headers(dict(headers or {})),
+        ordering_key,
+        NOTIFY_CHANNEL,
+    ]
+
+
 async def enqueue(
     conn: Connection,
     subject: str,
@@ -56,19 +90,10 @@ async def enqueue(
     headers: Mapping[str, str] | None = None,
     ordering_key: str | None = None,
 ) -> None:
-    """Record a message to publish once the caller's transaction commits."""
+    """Record a message to deliver once the caller's transaction commits."""
     await conn.execute(
-        """WITH queued AS (
-               INSERT INTO outbox (subject, msg_id, body, headers, ordering_key)
-               VALUES ($1, $2, $3, $4, $5))
-           SELECT pg_notify($6, '')""",
-        subject,
-        msg_id,
-        body,
-        inject_headers(dict(headers or {})),
-        ordering_key,
-        # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
-        NOTIFY_CHANNEL,
+        f"WITH {queue_statement(1)}",
+        *queue_args(subject, msg_id, body, headers, ordering_key),
     )
 
 

@@ -96,11 +96,15 @@ class LogTransaction:
             causation_id=causation_id,
             created_at=session.now,
         )
+        # The seq bump, the event and its outbox row in one statement: one round trip
+        # while the session's row lock is held (bench/append.py measures why).
         await self._conn.execute(
-            """WITH bump AS (UPDATE sessions SET last_seq = $4 WHERE id = $2)
-               INSERT INTO events (id, session_id, project_id, seq, type, actor, payload,
-                                   causation_id, idempotency_key, created_at)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)""",
+            f"""WITH bump AS (UPDATE sessions SET last_seq = $4 WHERE id = $2),
+                     event AS (
+                        INSERT INTO events (id, session_id, project_id, seq, type, actor,
+                                            payload, causation_id, idempotency_key, created_at)
+                        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)),
+                     {outbox.queue_statement(11)}""",
             event.id,
             event.session_id,
             event.project_id,
@@ -111,13 +115,12 @@ class LogTransaction:
             event.causation_id,
             idempotency_key,
             event.created_at,
-        )
-        await outbox.enqueue(
-            self._conn,
-            subjects.event_subject(event.type, event.project_id, event.session_id),
-            str(event.id),
-            event.model_dump_json().encode(),
-            ordering_key=str(event.session_id),
+            *outbox.queue_args(
+                subjects.event_subject(event.type, event.project_id, event.session_id),
+                str(event.id),
+                event.model_dump_json().encode(),
+                ordering_key=str(event.session_id),
+            ),
         )
         # Later appends in the same transaction (close = status + event) see the new seq.
         session.last_seq = event.seq
