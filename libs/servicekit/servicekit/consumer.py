@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from contracts import subjects
+from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
 from servicekit.logs import get_logger
 from servicekit.telemetry import span_from_headers
@@ -112,16 +113,41 @@ class DurableConsumer:
         sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
         try:
             while True:
+                raise_if_cancelling()
                 try:
                     msgs = await sub.fetch(self.spec.batch, timeout=1.0)
                 except (NatsTimeoutError, TimeoutError):
                     continue
-                for msg in msgs:
-                    await self._handle(msg)
+                await self._handle_batch(msgs)
         finally:
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
                 await sub.unsubscribe()
+
+    async def _handle_batch(self, msgs: list[Msg]) -> None:
+        """Handle the fetched messages in order, keeping the waiting ones alive meanwhile.
+
+        With BackOff set, JetStream's ack wait is `backoff[0]`: a handler that runs longer
+        (an LLM turn, an analysis) would see its message redelivered — to another
+        replica — while it still works, unless `in_progress` resets the timer.
+        """
+        waiting = list(msgs)
+        keepalive = asyncio.create_task(self._keep_alive(waiting))
+        try:
+            for msg in msgs:
+                raise_if_cancelling()
+                await self._handle(msg)
+                waiting.remove(msg)
+        finally:
+            keepalive.cancel()
+
+    async def _keep_alive(self, waiting: list[Msg]) -> None:
+        interval = max(self.spec.backoff[0] / 3, 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            for msg in list(waiting):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
 
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered

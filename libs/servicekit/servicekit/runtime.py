@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 
 from contracts import streams
 from servicekit.bus import connect, provision_streams
+from servicekit.cancellation import stop
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.logs import configure_logging, get_logger
 from servicekit.settings import ServiceSettings
@@ -69,11 +70,7 @@ async def open_runtime(
     try:
         yield runtime
     finally:
-        for task in runtime.tasks:
-            task.cancel()
-        for task in runtime.tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await asyncio.gather(*(stop(task) for task in runtime.tasks))
         with contextlib.suppress(Exception):
             await nc.drain()
         await pool.close()

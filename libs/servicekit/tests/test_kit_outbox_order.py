@@ -1,0 +1,231 @@
+"""Per-key order of the outbox, across retries and relays, and the relay into the session log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import asyncpg
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from contracts import subjects
+from contracts.session_events import AppendedReply, AppendEvent
+from servicekit import outbox
+from servicekit.endpoint import error_reply
+from servicekit.outbox import (
+    DELIVERED,
+    Delivery,
+    JetStreamPublisher,
+    LogAppender,
+    OutboxRelay,
+    OutboxRow,
+    enqueue,
+    enqueue_append,
+)
+from servicekit.testing import stream_messages
+
+MakeStream = Callable[..., Awaitable[tuple[str, str]]]
+
+
+async def enqueue_committed(pool: asyncpg.Pool, *rows: tuple[str, str, str | None]) -> None:
+    """Commit (subject, msg_id, ordering_key) rows, in this order, in one transaction."""
+    async with pool.acquire() as conn, conn.transaction():
+        for subject, msg_id, key in rows:
+            await enqueue(conn, subject, msg_id, b"{}", ordering_key=key)
+
+
+async def published_ids(nc: Client, stream: tuple[str, str]) -> list[str]:
+    name, prefix = stream
+    return [
+        (m.headers or {})["Nats-Msg-Id"] for m in await stream_messages(nc, name, f"{prefix}.>")
+    ]
+
+
+async def waiting(pool: asyncpg.Pool) -> list[tuple[str, int]]:
+    rows = await pool.fetch("SELECT msg_id, attempts FROM outbox ORDER BY id")
+    return [(r["msg_id"], r["attempts"]) for r in rows]
+
+
+async def test_a_key_waits_behind_its_older_row_that_waits_for_a_retry(
+    pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
+) -> None:
+    _, prefix = stream
+    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
+    await pool.execute("UPDATE outbox SET attempts = 1, available_at = now() + interval '1 hour'")
+    await enqueue_committed(pool, (f"{prefix}.a", "k-2", "K"), (f"{prefix}.a", "l-1", "L"))
+
+    assert await OutboxRelay(pool, JetStreamPublisher(js)).drain_once() == 1
+
+    assert await published_ids(nc, stream) == ["l-1"]
+    assert await waiting(pool) == [("k-1", 1), ("k-2", 0)]
+
+
+class AwaitingSender:
+    """Delivers a batch once the test lets it: a relay caught in the middle of a send."""
+
+    def __init__(self) -> None:
+        self.claimed: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        self.release = asyncio.Event()
+
+    async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        self.claimed.set_result([r.msg_id for r in rows])
+        await self.release.wait()
+        return [DELIVERED for _ in rows]
+
+
+async def test_a_key_another_relay_is_delivering_is_left_to_it(
+    pool: asyncpg.Pool,
+    js: JetStreamContext,
+    nc: Client,
+    stream: tuple[str, str],
+    make_pool: Callable[[], Awaitable[asyncpg.Pool]],
+) -> None:
+    _, prefix = stream
+    await enqueue_committed(
+        pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.a", "k-2", "K"), (f"{prefix}.a", "l-1", "L")
+    )
+    slow = AwaitingSender()
+    busy = asyncio.create_task(OutboxRelay(pool, slow, batch=1).drain_once())
+    assert await asyncio.wait_for(slow.claimed, 10) == ["k-1"]
+
+    # k-2 is not row-locked, but delivering it now could overtake k-1
+    other = OutboxRelay(await make_pool(), JetStreamPublisher(js))
+    assert await other.drain_once() == 1
+    assert await published_ids(nc, stream) == ["l-1"]
+
+    slow.release.set()
+    assert await busy == 1
+    assert await other.drain_once() == 1
+    assert await published_ids(nc, stream) == ["l-1", "k-2"]
+    assert await waiting(pool) == []
+
+
+async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
+    pool: asyncpg.Pool,
+    js: JetStreamContext,
+    nc: Client,
+    make_stream: MakeStream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The stream drops the first event (too large: its publish is never acked); the
+    # next event of the session must not reach consumers before it.
+    monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", 0.3)
+    stream = await make_stream(max_msg_size=1024)
+    _, prefix = stream
+    async with pool.acquire() as conn, conn.transaction():
+        await enqueue(conn, f"{prefix}.a", "k-1", b"x" * 2048, ordering_key="K")
+        await enqueue(conn, f"{prefix}.a", "k-2", b"{}", ordering_key="K")
+
+    await OutboxRelay(pool, JetStreamPublisher(js)).drain_once()
+
+    assert await published_ids(nc, stream) == []
+    assert [msg_id for msg_id, _ in await waiting(pool)] == ["k-1", "k-2"]
+
+
+@dataclass
+class FakeLog:
+    """Answers `cmd.events.append` as session_events would, refusing what it is told to."""
+
+    appended: list[str] = field(default_factory=list)
+    refuse: dict[str, str] = field(default_factory=dict)  # idempotency key -> error code
+
+    async def answer(self, msg: Msg) -> None:
+        event = AppendEvent.model_validate_json(msg.data)
+        assert event.idempotency_key is not None
+        if event.idempotency_key in self.refuse:
+            code = self.refuse[event.idempotency_key]
+            await msg.respond(error_reply(code, f"refused {event.idempotency_key}"))
+            return
+        self.appended.append(event.idempotency_key)
+        reply = AppendedReply(event_id=uuid.uuid4(), seq=len(self.appended))
+        await msg.respond(reply.model_dump_json().encode())
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fake_log(nc: Client) -> AsyncIterator[FakeLog]:
+    log = FakeLog()
+    sub = await nc.subscribe(subjects.EVENTS_APPEND, cb=log.answer)
+    yield log
+    await sub.unsubscribe()
+
+
+async def enqueue_appends(pool: asyncpg.Pool, *events: tuple[uuid.UUID, str]) -> None:
+    """Commit one `chat.message` per (session, idempotency key), in this order."""
+    async with pool.acquire() as conn, conn.transaction():
+        for session_id, key in events:
+            await enqueue_append(
+                conn,
+                AppendEvent(
+                    session_id=session_id,
+                    type="chat.message",
+                    actor="system:kit-tests",
+                    payload={"text": key},
+                    idempotency_key=key,
+                ),
+            )
+
+
+async def test_the_log_appender_appends_a_sessions_events_in_order(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    session = uuid.uuid4()
+    keys = [f"e-{n}" for n in range(5)]
+    await enqueue_appends(pool, *((session, k) for k in keys))
+
+    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 5
+
+    assert fake_log.appended == keys
+    assert await waiting(pool) == []
+
+
+async def test_a_transient_refusal_holds_back_its_session_only(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    held, other = uuid.uuid4(), uuid.uuid4()
+    fake_log.refuse["h-1"] = "unavailable"
+    await enqueue_appends(pool, (held, "h-1"), (other, "o-1"), (held, "h-2"))
+    relay = OutboxRelay(pool, LogAppender(nc))
+
+    assert await relay.drain_once() == 3
+
+    assert fake_log.appended == ["o-1"]
+    assert await waiting(pool) == [("h-1", 1), ("h-2", 1)]
+
+    del fake_log.refuse["h-1"]
+    await pool.execute("UPDATE outbox SET available_at = now()")  # their retry is due
+    assert await relay.drain_once() == 2
+    assert fake_log.appended == ["o-1", "h-1", "h-2"]
+
+
+async def test_a_permanent_refusal_is_dead_lettered_and_its_session_goes_on(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    session = uuid.uuid4()
+    fake_log.refuse["e-1"] = "invalid_payload"
+    await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
+
+    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 2
+
+    assert fake_log.appended == ["e-2"]
+    assert await waiting(pool) == []
+    [dead] = await pool.fetch("SELECT consumer, msg_id, reason, body FROM dead_letters")
+    assert (dead["consumer"], dead["msg_id"]) == ("outbox", "e-1")
+    assert dead["reason"] == "invalid_payload: refused e-1"
+    assert json.loads(dead["body"])["idempotency_key"] == "e-1"
+
+
+async def test_an_event_for_the_log_needs_an_idempotency_key(pool: asyncpg.Pool) -> None:
+    event = AppendEvent(
+        session_id=uuid.uuid4(), type="chat.message", actor="system:kit-tests", payload={}
+    )
+    async with pool.acquire() as conn:
+        with pytest.raises(ValueError, match="idempotency_key"):
+            await enqueue_append(conn, event)
+    assert await waiting(pool) == []
