@@ -41,6 +41,7 @@ from harness import Halt, LoopContext, LoopResult, MeteringClient, Tool, ToolLoo
 from psychologist.context import AnalysisContext, render, system_prompt
 from psychologist.repository import AnalysisRow, PsychologistRepository
 from psychologist.sessionlog import SessionLog
+from servicekit.faults import crash_point
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
@@ -194,6 +195,8 @@ class Analyst:
                 budget_micros=plan.budget_micros,
             )
         )
+        # The reliability tests kill the process here: turns billed, nothing recorded.
+        crash_point("psychologist.before_outcome")
         if result.status == "halted" and result.halt is not None:
             return await self._completed(prepared, result, result.halt.output)
         if result.status == "error" and result.error_code in RETRYABLE_CODES and not last_attempt:
