@@ -60,6 +60,14 @@ from contracts.metering import (
     UsageSummaryReply,
     UsageSummaryRequest,
 )
+from contracts.psychologist import (
+    AnalysisOutcome,
+    HypothesesReply,
+    HypothesisDecision,
+    HypothesisReply,
+    ListHypotheses,
+    Reanalyze,
+)
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
@@ -125,6 +133,10 @@ COMMANDS = [
     Command(subjects.BINDINGS_LIST, "metering", ListBindings, BindingsReply),
     Command(subjects.BINDINGS_RESOLVE, "metering", ResolveBinding, ResolvedBinding),
     Command(subjects.USAGE_SUMMARY, "metering", UsageSummaryRequest, UsageSummaryReply),
+    Command(subjects.PSYCHOLOGIST_REANALYZE, "psychologist", Reanalyze, AnalysisOutcome),
+    Command(subjects.HYPOTHESES_ACCEPT, "psychologist", HypothesisDecision, HypothesisReply),
+    Command(subjects.HYPOTHESES_DISMISS, "psychologist", HypothesisDecision, HypothesisReply),
+    Command(subjects.HYPOTHESES_LIST, "psychologist", ListHypotheses, HypothesesReply),
 ]
 
 # Streaming subjects outside the log, with their payload model where contracts has one

@@ -62,6 +62,13 @@ class ErrorCode(StrEnum):
     TURN_ALREADY_FAILED = "turn_already_failed"
     PROVIDER_ERROR = "provider_error"
     PROVIDER_OVERLOADED = "provider_overloaded"
+    # psychologist (ADR 0015)
+    INVALID_HYPOTHESIS = "invalid_hypothesis"
+    EVIDENCE_NOT_FOUND = "evidence_not_found"
+    EVIDENCE_NOT_IN_SESSION = "evidence_not_in_session"
+    TERMINATION_ANALYSIS_REQUIRED = "termination_analysis_required"
+    HYPOTHESIS_NOT_FOUND = "hypothesis_not_found"
+    SESSION_NOT_CLOSED = "session_not_closed"
 
 
 class ErrorBody(Message):

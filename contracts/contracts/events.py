@@ -213,6 +213,10 @@ class AnalysisCompleted(Message):
     agent_slug: AgentSlug
     hypothesis_ids: list[UUID]
     triggered_by: Literal["auto", "manual"] = "auto"
+    # The classified termination reason the analysis was given as a fact (decision 6).
+    termination_class: str | None = None
+    # The analysis this one replaced on a manual reanalysis (kept, no longer current).
+    superseded_analysis_id: UUID | None = None
 
 
 class AnalysisFailed(Message):
@@ -221,6 +225,9 @@ class AnalysisFailed(Message):
     tier: Literal["leve", "pesada"]
     reason: NonBlank
     triggered_by: Literal["auto", "manual"] = "auto"
+    agent_slug: AgentSlug | None = None
+    iterations: int = Field(default=0, ge=0)
+    cost_micros: int = Field(default=0, ge=0)
 
 
 PAYLOADS: dict[EventType, type[Message]] = {

@@ -36,6 +36,12 @@ HANDOFFS_LIST = "cmd.handoffs.list"
 AGENTS_ACTIVATE = "cmd.agents.activate"
 AGENTS_ACTIVE = "cmd.agents.active"
 
+# psychologist
+PSYCHOLOGIST_REANALYZE = "cmd.psychologist.reanalyze"
+HYPOTHESES_ACCEPT = "cmd.hypotheses.accept"
+HYPOTHESES_DISMISS = "cmd.hypotheses.dismiss"
+HYPOTHESES_LIST = "cmd.hypotheses.list"
+
 
 def event_subject(event_type: EventType, project_id: str, session_id: UUID | str) -> str:
     """`<domain>.<name>.<project_id>.<session_id>`: where a committed event is published."""

@@ -1,0 +1,1 @@
+"""The Psicólogo: closed sessions analysed into hypotheses that cite real events (ADR 0015)."""

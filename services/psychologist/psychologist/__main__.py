@@ -1,0 +1,3 @@
+from psychologist.app import run
+
+run()

@@ -1,0 +1,86 @@
+"""The analysis context as the model reads it: facts, rules, standing hypotheses, the log.
+
+The session's log comes last and every line ends with its `event_id`, so the ids the
+model is asked to cite are the ones nearest to its answer. Ids of other sessions (rules
+and hypotheses recorded elsewhere) are left out on purpose: they could only be cited by
+mistake, and a citation of another session rejects the whole batch (decision 3).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.resources import files
+
+from contracts.events import Event
+from contracts.psychologist import Hypothesis
+from contracts.session_events import SessionView
+from domain.psychologist import Termination
+
+# One event's payload is cut beyond this, so a single huge event cannot crowd out the rest.
+MAX_PAYLOAD_CHARS = 2000
+
+
+def system_prompt() -> str:
+    """The Psicólogo's instructions, kept next to the service (`prompt.md`)."""
+    return files("psychologist").joinpath("prompt.md").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class AnalysisContext:
+    """Everything an analysis is given, as read from the log and this service's tables."""
+
+    session: SessionView
+    events: Sequence[Event]
+    business_rules: Sequence[Event]
+    earlier: Sequence[Hypothesis]
+    termination: Termination
+
+
+def _payload(event: Event) -> str:
+    text = json.dumps(event.payload, ensure_ascii=False, separators=(",", ":"))
+    if len(text) > MAX_PAYLOAD_CHARS:
+        return text[:MAX_PAYLOAD_CHARS] + f"…(cut, {len(text)} chars)"
+    return text
+
+
+def _event_line(event: Event) -> str:
+    caused = f" caused_by={event.causation_id}" if event.causation_id else ""
+    return (
+        f"#{event.seq} {event.created_at.isoformat(timespec='seconds')} {event.type.value} "
+        f"by {event.actor}{caused} {_payload(event)} event_id: {event.id}"
+    )
+
+
+def render(ctx: AnalysisContext) -> str:
+    """The first user message of the analysis."""
+    session = ctx.session
+    lines = [
+        "# Facts",
+        f"Project: {session.project_id}. Session opened by {session.opened_by} at "
+        f"{session.opened_at.isoformat(timespec='seconds')}, ended at "
+        f"{session.closed_at.isoformat(timespec='seconds') if session.closed_at else 'unknown'}"
+        f", {len(ctx.events)} events.",
+        f"Termination ({ctx.termination.kind.value}): {ctx.termination.fact()}",
+        f"termination_analysis is {'REQUIRED on at least one' if ctx.termination.abnormal else 'optional on every'} hypothesis.",  # noqa: E501
+        "",
+        "# Business rules of the project",
+    ]
+    for rule in ctx.business_rules:
+        here = " (recorded in this session)" if rule.session_id == session.session_id else ""
+        lines.append(
+            f"- {rule.payload.get('title', '')}: {rule.payload.get('statement', '')}{here}"
+        )
+    if not ctx.business_rules:
+        lines.append("(none recorded)")
+    lines += ["", "# Hypotheses standing for this project (not dismissed)"]
+    for h in ctx.earlier:
+        lines.append(
+            f"- about {h.target_agent} ({h.status}, confidence {h.confidence}): {h.statement}"
+        )
+    if not ctx.earlier:
+        lines.append("(none)")
+    lines += ["", "# The session's event log, oldest first"]
+    lines.extend(_event_line(e) for e in ctx.events)
+    return "\n".join(lines)
