@@ -11,6 +11,7 @@ from metering.handlers import SERVICE, build_endpoints
 from metering.providers.base import Provider
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
 from metering.repository import MeteringRepository
+from metering.sweeper import run_sweeper
 from metering.turns import TurnRunner
 from servicekit.logs import get_logger
 from servicekit.runtime import open_runtime, run_service, wait_until_stopped
@@ -36,6 +37,10 @@ class MeteringSettings(ServiceSettings):
     provider_timeout_seconds: float = 600.0
     # Safety net behind the change announcements: the longest a replica's cache is stale.
     catalog_refresh_seconds: float = 30.0
+    # A hold older than this has lost its call (the replica died): settle it at its
+    # worst case. Longer than any call: the provider timeout and every retry.
+    abandoned_hold_seconds: float = 1800.0
+    hold_sweep_interval_seconds: float = 60.0
 
 
 def build_provider(settings: MeteringSettings, script: Script | None = None) -> Provider:
@@ -77,6 +82,12 @@ async def main(settings: MeteringSettings | None = None, provider: Provider | No
         catalog = Catalog(repo)
         await catalog.reload()
         rt.background(catalog.watch(rt.nc, settings.catalog_refresh_seconds), "catalog-watch")
+        rt.background(
+            run_sweeper(
+                repo, settings.abandoned_hold_seconds, settings.hold_sweep_interval_seconds
+            ),
+            "hold-sweeper",
+        )
         runner = TurnRunner(repo, catalog, provider, rt.nc)
         endpoints = build_endpoints(repo, catalog, runner, rt.nc)
         service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)

@@ -162,6 +162,20 @@ class BudgetTransaction:
         )
         return bool(inserted)
 
+    async def abandoned_holds(self, older_than_seconds: float, limit: int = 100) -> list[Any]:
+        """Holds still live long after any call could have ended (the replica that made
+        them died mid-call). Not locked here: the sweep locks each run first, in the
+        same order as a reservation, and settles only a hold that is still live."""
+        return list(
+            await self._conn.fetch(
+                """SELECT turn_id, run_id, hold_micros FROM budget_holds
+                    WHERE status = 'held' AND created_at < now() - make_interval(secs => $1)
+                    ORDER BY created_at LIMIT $2""",
+                older_than_seconds,
+                limit,
+            )
+        )
+
 
 class MeteringRepository:
     """Reads and transactions over the `metering` schema."""

@@ -1,0 +1,41 @@
+"""Holds whose call died with its replica are released, charged at their worst case."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from domain.metering import RunBudget
+from metering.repository import MeteringRepository
+from metering.sweeper import sweep_once
+from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
+
+
+async def test_an_abandoned_hold_is_settled_once_at_its_worst_case(database_url: str) -> None:
+    pool: asyncpg.Pool = await create_pool(database_url, "metering")
+    try:
+        await migrate(pool, "metering", [KIT_MIGRATIONS, "metering.migrations"])
+        repo = MeteringRepository(pool)
+        async with repo.transaction() as tx:  # a replica reserved, then died before billing
+            await tx.lock_run("run-1")
+            assert await tx.hold("run-1", "turn-dead", 600, RunBudget(1000, 0, 600))
+            await tx.lock_run("run-2")
+            assert await tx.hold("run-2", "turn-live", 300, RunBudget(1000, 0, 300))
+        await pool.execute(
+            "UPDATE budget_holds SET created_at = now() - interval '1 hour' "
+            "WHERE turn_id = 'turn-dead'"
+        )
+
+        assert await sweep_once(repo, older_than_seconds=1800) == 1
+        assert await sweep_once(repo, older_than_seconds=1800) == 0
+
+        runs = {
+            r["run_id"]: (r["spent_micros"], r["reserved_micros"])
+            for r in await pool.fetch(
+                "SELECT run_id, spent_micros, reserved_micros FROM run_budgets"
+            )
+        }
+        assert runs == {"run-1": (600, 0), "run-2": (0, 300)}  # the live call keeps its hold
+        holds = dict(await pool.fetch("SELECT turn_id, status FROM budget_holds"))
+        assert holds == {"turn-dead": "settled", "turn-live": "held"}
+    finally:
+        await pool.close()
