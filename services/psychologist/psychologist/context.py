@@ -20,6 +20,10 @@ from domain.psychologist import Termination
 
 # One event's payload is cut beyond this, so a single huge event cannot crowd out the rest.
 MAX_PAYLOAD_CHARS = 2000
+# The whole log is cut beyond this: the prompt travels in one NATS message (1 MiB by
+# default) to metering. The beginning and the end of a long session are kept, where
+# its course is set and where it ended; the middle is summarised by type.
+MAX_LOG_CHARS = 600_000
 
 
 def system_prompt() -> str:
@@ -82,5 +86,38 @@ def render(ctx: AnalysisContext) -> str:
     if not ctx.earlier:
         lines.append("(none)")
     lines += ["", "# The session's event log, oldest first"]
-    lines.extend(_event_line(e) for e in ctx.events)
+    lines.extend(fit_log(ctx.events, MAX_LOG_CHARS))
     return "\n".join(lines)
+
+
+def fit_log(events: Sequence[Event], budget_chars: int) -> list[str]:
+    """The log's lines within `budget_chars`: all of them when they fit, else the first
+    third and the last two thirds of the budget, with the events between summarised."""
+    lines = [_event_line(e) for e in events]
+    if sum(len(line) + 1 for line in lines) <= budget_chars:
+        return lines
+    head: list[str] = []
+    used = 0
+    for line in lines:
+        if used + len(line) + 1 > budget_chars // 3:
+            break
+        head.append(line)
+        used += len(line) + 1
+    tail: list[str] = []
+    for line in reversed(lines[len(head) :]):
+        if used + len(line) + 1 > budget_chars:
+            break
+        tail.insert(0, line)
+        used += len(line) + 1
+    omitted = events[len(head) : len(events) - len(tail)]
+    by_type: dict[str, int] = {}
+    for event in omitted:
+        by_type[event.type.value] = by_type.get(event.type.value, 0) + 1
+    counts = ", ".join(f"{n} {t}" for t, n in sorted(by_type.items()))
+    gap = (
+        f"… {len(omitted)} events omitted to fit the prompt (#{omitted[0].seq}–"
+        f"#{omitted[-1].seq}: {counts}); cite only events shown here"
+        if omitted
+        else ""
+    )
+    return [*head, gap, *tail] if gap else [*head, *tail]
