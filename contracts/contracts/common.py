@@ -62,6 +62,11 @@ class ErrorCode(StrEnum):
     TURN_ALREADY_FAILED = "turn_already_failed"
     PROVIDER_ERROR = "provider_error"
     PROVIDER_OVERLOADED = "provider_overloaded"
+    # criativo (the emit_artifact tool's refusals, read by the model)
+    ARTIFACT_NOT_EMITTABLE = "artifact_not_emittable"
+    UNKNOWN_ARTIFACT_TYPE = "unknown_artifact_type"
+    INVALID_ARTIFACT = "invalid_artifact"
+    ORIGIN_NOT_IN_CONVERSATION = "origin_not_in_conversation"
 
 
 class ErrorBody(Message):

@@ -43,6 +43,7 @@ SERVICES = [
     ServiceSpec("session_events", "session_events"),
     ServiceSpec("handoff", "handoff"),
     ServiceSpec("metering", "metering"),
+    ServiceSpec("criativo", "criativo"),
 ]
 
 RESTART_MAX_DELAY = 30.0
