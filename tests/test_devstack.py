@@ -125,7 +125,8 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
             timeout=30,
             what="the restarted service to answer",
         )
-        assert [e["seq"] for e in json.loads(listed.stdout)["events"]] == [1, 2]
+        # Criativo's plain chat may already have answered the message (seq 3).
+        assert [e["seq"] for e in json.loads(listed.stdout)["events"]][:2] == [1, 2]
 
         everything = [up, *psutil.Process(up.pid).children(recursive=True)]
         pids = [p.pid for p in everything]

@@ -30,6 +30,7 @@ from pydantic import create_model
 
 from contracts import streams, subjects
 from contracts.common import ErrorReply, Message
+from contracts.criativo import AgentDone
 from contracts.events import PAYLOADS, Event, EventType
 from contracts.handoff import (
     AcceptReply,
@@ -140,7 +141,7 @@ COMMANDS = [
 ]
 
 # Streaming subjects outside the log, with their payload model where contracts has one
-# (`agent.done` gets its model with the gateway).
+# (`agent.done`'s model is `contracts.criativo.AgentDone`).
 STREAMING: list[tuple[str, str, str, type[Message] | None]] = [
     (
         "agent.delta",
@@ -148,7 +149,12 @@ STREAMING: list[tuple[str, str, str, type[Message] | None]] = [
         "A streaming turn's text, token by token, as `cmd.llm.stream` publishes it.",
         TurnDelta,
     ),
-    ("agent.done", subjects.done_subject(PROJECT, SESSION), "A streaming turn ended.", None),
+    (
+        "agent.done",
+        subjects.done_subject(PROJECT, SESSION),
+        "An agent's turn ended: its response event, or the error code of its agent.error.",
+        AgentDone,
+    ),
 ]
 
 DESCRIPTION = (

@@ -69,6 +69,11 @@ class ErrorCode(StrEnum):
     TERMINATION_ANALYSIS_REQUIRED = "termination_analysis_required"
     HYPOTHESIS_NOT_FOUND = "hypothesis_not_found"
     SESSION_NOT_CLOSED = "session_not_closed"
+    # criativo (the emit_artifact tool's refusals, read by the model)
+    ARTIFACT_NOT_EMITTABLE = "artifact_not_emittable"
+    UNKNOWN_ARTIFACT_TYPE = "unknown_artifact_type"
+    INVALID_ARTIFACT = "invalid_artifact"
+    ORIGIN_NOT_IN_CONVERSATION = "origin_not_in_conversation"
 
 
 class ErrorBody(Message):

@@ -44,6 +44,7 @@ SERVICES = [
     ServiceSpec("handoff", "handoff"),
     ServiceSpec("metering", "metering"),
     ServiceSpec("psychologist", "psychologist"),
+    ServiceSpec("criativo", "criativo"),
 ]
 
 RESTART_MAX_DELAY = 30.0

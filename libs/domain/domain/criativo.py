@@ -1,0 +1,353 @@
+"""Criativo's rules (ADR 0008 decisions 1, 5 and 6), with no I/O.
+
+Invariants kept here, so no prompt has to keep them:
+- the conversation an actor holds is a fold of the session log (`apply`): a restart
+  rebuilds exactly what the actor had, because the log is the only source;
+- a message is answered at most once: any `agent.response` or `agent.error` caused by
+  it is its outcome (`Conversation.answered`);
+- the model may emit only the artifacts of `known()`; `product_brief` is written by
+  the service after the person's readiness, never through the tool;
+- a business rule's `origin` cites chat messages of this very conversation;
+- a session's inputs are handled one at a time in `seq` order, none dropped, each
+  at most once (`admit`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any, Literal
+from uuid import UUID
+
+from pydantic import ValidationError
+
+from contracts.common import ErrorCode
+from contracts.events import BusinessRule, Event, EventType, ProductBrief
+from contracts.metering import ChatMessage
+from domain.errors import DomainError
+
+CRIATIVO = "criativo"
+# Sessions where Criativo was never started keep the stateless chat of before
+# ADR 0008 (DESIGN.md flow 1), under this agent slug.
+PLAIN_CHAT = "chat"
+CRIATIVO_ACTOR = f"agent:{CRIATIVO}"
+
+# Artifacts the model may emit with `emit_artifact` (ADR 0008 decision 5: known/0).
+EMITTABLE_ARTIFACTS: dict[str, type[BusinessRule]] = {"business_rule": BusinessRule}
+# Written by the service itself, only after the person's readiness.
+SYSTEM_ARTIFACTS = frozenset({"product_brief"})
+
+# The model reads at most this many conversation messages; older ones are dropped
+# whole (the recorded business rules, kept in the system prompt, carry what matters).
+HISTORY_LIMIT = 200
+
+Role = Literal["user", "assistant"]
+
+
+def known() -> list[str]:
+    """The artifact types the model may emit; `product_brief` is never among them."""
+    return sorted(EMITTABLE_ARTIFACTS)
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """One message of the conversation, as the log holds it."""
+
+    event_id: UUID
+    seq: int
+    role: Role
+    text: str
+
+
+@dataclass(frozen=True)
+class RecordedRule:
+    """A business rule already in the log."""
+
+    event_id: UUID
+    title: str
+    statement: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What Criativo knows of one session: the fold of its log up to `last_seq`."""
+
+    session_id: UUID
+    project_id: str = ""
+    last_seq: int = 0
+    utterances: tuple[Utterance, ...] = ()
+    chat_ids: frozenset[UUID] = frozenset()
+    # Chat messages (seq) in order, and those that already have an outcome.
+    chats: tuple[tuple[int, UUID], ...] = ()
+    answered: frozenset[UUID] = frozenset()
+    rules: tuple[RecordedRule, ...] = ()
+    # readiness event id -> the brief it caused
+    briefs: dict[UUID, UUID] = field(default_factory=dict)
+    readiness: frozenset[UUID] = frozenset()
+    criativo_active: bool = False
+    closed: bool = False
+
+    def pending_before(self, seq: int) -> list[UUID]:
+        """Chat messages up to `seq` without an outcome, after the last answered one.
+
+        A replica that takes the session's lease answers these in `seq` order, so a
+        message another replica holds is never overtaken by a later one.
+        """
+        tail: list[UUID] = []
+        for chat_seq, chat_id in self.chats:
+            if chat_seq > seq:
+                break
+            if chat_id in self.answered:
+                tail = []
+            else:
+                tail.append(chat_id)
+        return tail
+
+
+def apply(conv: Conversation, event: Event) -> Conversation:
+    """The conversation after `event` (events at or below `last_seq` change nothing)."""
+    if event.seq <= conv.last_seq:
+        return conv
+    conv = replace(conv, last_seq=event.seq, project_id=event.project_id)
+    kind = event.type
+    if kind is EventType.CHAT_MESSAGE:
+        said = Utterance(event.id, event.seq, "user", str(event.payload.get("text", "")))
+        return replace(
+            conv,
+            utterances=(*conv.utterances, said),
+            chat_ids=conv.chat_ids | {event.id},
+            chats=(*conv.chats, (event.seq, event.id)),
+        )
+    if kind in (EventType.AGENT_RESPONSE, EventType.AGENT_ERROR):
+        answered = conv.answered | ({event.causation_id} if event.causation_id else set())
+        conv = replace(conv, answered=answered)
+        if kind is EventType.AGENT_RESPONSE:
+            reply = Utterance(event.id, event.seq, "assistant", str(event.payload.get("text", "")))
+            conv = replace(conv, utterances=(*conv.utterances, reply))
+        return conv
+    if kind is EventType.ARTIFACT_BUSINESS_RULE:
+        rule = RecordedRule(
+            event.id, str(event.payload.get("title", "")), str(event.payload.get("statement", ""))
+        )
+        return replace(conv, rules=(*conv.rules, rule))
+    if kind is EventType.ARTIFACT_PRODUCT_BRIEF and event.causation_id is not None:
+        return replace(conv, briefs={**conv.briefs, event.causation_id: event.id})
+    if kind is EventType.CRIATIVO_READINESS_CONFIRMED:
+        return replace(conv, readiness=conv.readiness | {event.id})
+    if kind is EventType.AGENT_ACTIVATED and event.payload.get("agent") == CRIATIVO:
+        return replace(conv, criativo_active=True)
+    if kind in (EventType.SESSION_CLOSED, EventType.SESSION_CLOSED_ABNORMALLY):
+        return replace(conv, closed=True)
+    return conv
+
+
+def rebuild(session_id: UUID, events: list[Event]) -> Conversation:
+    """The conversation of a session from its log (rehydration, ADR 0008 decision 1)."""
+    conv = Conversation(session_id)
+    for event in sorted(events, key=lambda e: e.seq):
+        conv = apply(conv, event)
+    return conv
+
+
+def quote(utterance: Utterance) -> str:
+    """How a person's message reads to the model: with the id a rule's origin cites."""
+    return f"[message {utterance.event_id}]\n{utterance.text}"
+
+
+def model_messages(
+    conv: Conversation, upto_seq: int | None = None, limit: int = HISTORY_LIMIT
+) -> list[ChatMessage]:
+    """The conversation as the model reads it: alternating roles, starting with the person.
+
+    Consecutive messages of one role are merged (a message answered by an error has no
+    reply), and everything after `upto_seq` is left out (not yet said at that turn).
+    """
+    said = [u for u in conv.utterances if upto_seq is None or u.seq <= upto_seq][-limit:]
+    while said and said[0].role != "user":
+        said = said[1:]
+    merged: list[tuple[Role, list[str]]] = []
+    for u in said:
+        text = quote(u) if u.role == "user" else u.text
+        if merged and merged[-1][0] == u.role:
+            merged[-1][1].append(text)
+        else:
+            merged.append((u.role, [text]))
+    return [ChatMessage(role=role, content="\n\n".join(parts)) for role, parts in merged]
+
+
+def rules_digest(conv: Conversation) -> str:
+    """The business rules already recorded, for the system prompt."""
+    if not conv.rules:
+        return "(none yet)"
+    return "\n".join(f"- [{r.event_id}] {r.title}: {r.statement}" for r in conv.rules)
+
+
+# --- the emit_artifact tool ---------------------------------------------------
+
+
+def check_artifact(raw: dict[str, Any], conv: Conversation) -> BusinessRule:
+    """The artifact the model asked to emit, or a refusal it can correct itself from."""
+    kind = raw.get("type")
+    if kind in SYSTEM_ARTIFACTS:
+        raise DomainError(
+            ErrorCode.ARTIFACT_NOT_EMITTABLE,
+            "product_brief cannot be emitted with this tool: the brief is written by the "
+            'system only after the person clicks "I\'m ready to produce". Keep shaping the '
+            "idea and recording business rules; do not say the brief exists.",
+            type=kind,
+            known=known(),
+        )
+    model = EMITTABLE_ARTIFACTS.get(str(kind))
+    if model is None:
+        raise DomainError(
+            ErrorCode.UNKNOWN_ARTIFACT_TYPE,
+            f"unknown artifact type {kind!r}; the tool emits only: {', '.join(known())}",
+            type=kind,
+            known=known(),
+        )
+    fields = {k: v for k, v in raw.items() if k != "type"}
+    try:
+        rule = model.model_validate(fields)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}"
+            for e in exc.errors(include_url=False, include_input=False)
+        )
+        raise DomainError(
+            ErrorCode.INVALID_ARTIFACT,
+            f"invalid business_rule: {problems}. Send title, statement and origin (the ids "
+            "of the person's messages it came from, as shown in [message <id>]).",
+        ) from None
+    foreign = [str(i) for i in rule.origin if i not in conv.chat_ids]
+    if foreign:
+        raise DomainError(
+            ErrorCode.ORIGIN_NOT_IN_CONVERSATION,
+            f"origin cites {', '.join(foreign)}, which are not messages of this conversation; "
+            "cite the ids shown as [message <id>] before the person's words",
+            foreign=foreign,
+        )
+    return rule
+
+
+# --- readiness: the consolidated brief ------------------------------------------
+
+_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+
+
+def brief_from_reply(text: str, conv: Conversation) -> ProductBrief:
+    """The brief from the consolidation turn's reply, resting on every recorded rule.
+
+    The model is asked for a JSON object; prose (or broken JSON) still becomes a brief,
+    because the person's readiness must never be left without one.
+    """
+    rule_ids = [r.event_id for r in conv.rules]
+    found = _JSON_OBJECT.search(text)
+    if found is not None:
+        try:
+            data = json.loads(found.group(0))
+            if isinstance(data, dict):
+                return ProductBrief(
+                    title=str(data.get("title") or "Product brief"),
+                    summary=str(data.get("summary") or text.strip() or "Product brief"),
+                    details=str(data.get("details") or ""),
+                    business_rule_ids=rule_ids,
+                )
+        except (ValueError, ValidationError):
+            pass
+    return ProductBrief(
+        title="Product brief",
+        summary=text.strip() or "The brief of the conversation.",
+        business_rule_ids=rule_ids,
+    )
+
+
+# --- what a session does with an input ------------------------------------------
+
+
+class Action(Enum):
+    """What the session's actor does with one input."""
+
+    ANSWER_WITH_CRIATIVO = "answer_with_criativo"
+    ANSWER_PLAINLY = "answer_plainly"
+    ALREADY_ANSWERED = "already_answered"
+    CONSOLIDATE = "consolidate"
+    OFFER_EXISTING_BRIEF = "offer_existing_brief"
+    READINESS_WITHOUT_CRIATIVO = "readiness_without_criativo"
+    SESSION_CLOSED = "session_closed"
+    NOTHING = "nothing"
+
+
+def decide(conv: Conversation, event_type: EventType, event_id: UUID) -> Action:
+    """The action for an input of the log, given the conversation caught up past it."""
+    if event_type is EventType.CHAT_MESSAGE:
+        if event_id in conv.answered:
+            return Action.ALREADY_ANSWERED
+        if conv.closed:
+            return Action.SESSION_CLOSED
+        return Action.ANSWER_WITH_CRIATIVO if conv.criativo_active else Action.ANSWER_PLAINLY
+    if event_type is EventType.CRIATIVO_READINESS_CONFIRMED:
+        if event_id in conv.briefs:
+            # The brief exists (a crash before the offer was queued): offer it, once.
+            return Action.OFFER_EXISTING_BRIEF
+        if conv.closed:
+            return Action.SESSION_CLOSED
+        if not conv.criativo_active:
+            return Action.READINESS_WITHOUT_CRIATIVO
+        return Action.CONSOLIDATE
+    return Action.NOTHING
+
+
+# --- the mailbox ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """An input waiting in a session's mailbox."""
+
+    event_id: UUID
+    seq: int
+
+
+class Admission(Enum):
+    """What the mailbox did with an input."""
+
+    QUEUED = "queued"
+    DUPLICATE = "duplicate"
+
+
+def admit(queue: list[Inbound], item: Inbound) -> tuple[list[Inbound], Admission]:
+    """The mailbox policy: every input is queued, in `seq` order; none is ever dropped.
+
+    A message that arrives during a turn waits for it (a turn is never interrupted or
+    merged with the next). The same event delivered twice (a redelivery racing its
+    first copy) is queued once: the copy is acknowledged with the original's outcome.
+    """
+    if any(q.event_id == item.event_id for q in queue):
+        return queue, Admission.DUPLICATE
+    position = len(queue)
+    while position > 0 and queue[position - 1].seq > item.seq:
+        position -= 1
+    return [*queue[:position], item, *queue[position:]], Admission.QUEUED
+
+
+# --- errors the person reads ---------------------------------------------------
+
+_READABLE: dict[str, str] = {
+    ErrorCode.BUDGET_EXCEEDED.value: "This session has used up its model budget, so I cannot "
+    "answer right now. Ask the project owner to raise it; the conversation is kept.",
+    ErrorCode.PROVIDER_OVERLOADED.value: "The model is overloaded and did not answer after "
+    "several attempts. Please send your message again in a moment; nothing was lost.",
+    ErrorCode.PROVIDER_ERROR.value: "The model failed to answer this message. Please send it "
+    "again; the conversation so far is kept.",
+}
+
+
+def readable_reason(code: str) -> str:
+    """Why a turn failed, written for the person (the `reason` of `agent.error`)."""
+    return _READABLE.get(
+        code,
+        f"I could not answer this message ({code}). Please send it again; "
+        "the conversation so far is kept.",
+    )

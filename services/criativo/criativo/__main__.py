@@ -1,0 +1,3 @@
+from criativo.app import run
+
+run()

@@ -1,0 +1,198 @@
+"""What a session does with each input: catch up on the log, decide (domain), act.
+
+Each input is handled under the session's lease, after catching up with the log,
+so the decision is taken on the log as it stands, not on what this replica last saw:
+- a chat message is answered with every earlier message still unanswered, in `seq`
+  order (those another replica received and has not answered yet) — by Criativo when
+  it is active in the session, otherwise by the plain stateless chat;
+- a message whose `agent.response` (or `agent.error`) is in the log is not answered
+  again, and every record is appended with an idempotency key derived from the
+  message, so even two turns racing past an expired lease leave one answer;
+- a readiness confirmation gets the consolidation turn, the brief and the offer.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import asyncpg
+from nats.aio.client import Client
+
+from contracts import subjects
+from contracts.criativo import AgentDone
+from contracts.events import (
+    AgentError,
+    AgentResponse,
+    BusinessRule,
+    Event,
+    EventType,
+)
+from criativo.lease import SessionLeases
+from criativo.log import SessionLog
+from criativo.offers import queue_offer
+from criativo.turns import TurnFailed, TurnOutcome, Turns
+from domain import criativo as rules
+from domain.criativo import Action, Conversation
+from servicekit.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class SessionWork:
+    """The handlers of a session's inputs; one instance serves every actor."""
+
+    def __init__(
+        self,
+        nc: Client,
+        pool: asyncpg.Pool,
+        sessions: SessionLog,
+        leases: SessionLeases,
+        turns: Turns,
+        crash_limit: int,
+    ) -> None:
+        self._nc = nc
+        self._pool = pool
+        self._log = sessions
+        self._leases = leases
+        self._turns = turns
+        self._crash_limit = crash_limit
+
+    async def catch_up(self, conv: Conversation) -> Conversation:
+        """The conversation with every event the log has past what `conv` saw."""
+        for event in await self._log.events_after(conv.session_id, conv.last_seq):
+            conv = rules.apply(conv, event)
+        return conv
+
+    async def handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
+        """Handle one input; after `crash_limit` failed deliveries, end the session."""
+        try:
+            return await self._handle(conv, event, deliveries)
+        except Exception as exc:
+            if deliveries < self._crash_limit:
+                raise
+            reason = (
+                f"criativo crashed {deliveries} times handling {event.type.value} {event.id}: "
+                f"{exc!r}"
+            )
+            log.error("criativo_actor_crashing", session_id=str(event.session_id), reason=reason)
+            await self._log.terminate(event.session_id, reason)
+            return await self.catch_up(conv)
+
+    async def _handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
+        if event.type not in (EventType.CHAT_MESSAGE, EventType.CRIATIVO_READINESS_CONFIRMED):
+            return await self.catch_up(conv)  # activation, closing: only the state moves
+        async with self._leases.hold(event.session_id):
+            conv = await self.catch_up(conv)
+            if event.type is EventType.CHAT_MESSAGE:
+                for message_id in conv.pending_before(event.seq):
+                    conv = await self._answer(conv, message_id, deliveries)
+                return conv
+            return await self._readiness(conv, event.id, deliveries)
+
+    async def _answer(self, conv: Conversation, message_id: UUID, attempt: int) -> Conversation:
+        action = rules.decide(conv, EventType.CHAT_MESSAGE, message_id)
+        said = next(u for u in conv.utterances if u.event_id == message_id)
+        if action is Action.ANSWER_WITH_CRIATIVO:
+            agent = rules.CRIATIVO
+
+            async def record(rule: BusinessRule, n: int) -> UUID:
+                return await self._log.append(
+                    conv.session_id,
+                    EventType.ARTIFACT_BUSINESS_RULE,
+                    rules.CRIATIVO_ACTOR,
+                    rule,
+                    message_id,
+                    f"criativo:rule:{message_id}:{n}",
+                )
+
+            run = self._turns.criativo(conv, message_id, said.seq, attempt, record)
+        elif action is Action.ANSWER_PLAINLY:
+            agent = rules.PLAIN_CHAT
+            run = self._turns.plain(conv, message_id, said.text, attempt)
+        else:
+            return conv
+        try:
+            outcome = await run
+        except TurnFailed as exc:
+            await self._failed(conv, agent, message_id, exc)
+        else:
+            await self._respond(conv, agent, message_id, outcome)
+        return await self.catch_up(conv)
+
+    async def _respond(
+        self, conv: Conversation, agent: str, message_id: UUID, outcome: TurnOutcome
+    ) -> None:
+        response = AgentResponse(
+            agent=agent,
+            text=outcome.text,
+            turn_id=outcome.turn_ids[-1] if outcome.turn_ids else None,
+            usage=outcome.turn_usage(),
+        )
+        response_id = await self._log.append(
+            conv.session_id,
+            EventType.AGENT_RESPONSE,
+            f"agent:{agent}",
+            response,
+            message_id,
+            f"{agent}:response:{message_id}",
+        )
+        await self._done(
+            conv,
+            AgentDone(
+                agent=agent,
+                causation_id=message_id,
+                turn_ids=outcome.turn_ids,
+                response_id=response_id,
+            ),
+        )
+
+    async def _failed(self, conv: Conversation, agent: str, cause: UUID, exc: TurnFailed) -> None:
+        """A turn metering could not complete: the person reads why; the session goes on."""
+        log.warning(
+            "turn_failed", session_id=str(conv.session_id), code=exc.code, error=exc.message
+        )
+        await self._log.append(
+            conv.session_id,
+            EventType.AGENT_ERROR,
+            f"agent:{agent}",
+            AgentError(agent=agent, code=exc.code, reason=rules.readable_reason(exc.code)),
+            cause,
+            f"{agent}:error:{cause}",
+        )
+        await self._done(
+            conv,
+            AgentDone(agent=agent, causation_id=cause, turn_ids=exc.turn_ids, error_code=exc.code),
+        )
+
+    async def _done(self, conv: Conversation, done: AgentDone) -> None:
+        await self._nc.publish(
+            subjects.done_subject(conv.project_id, conv.session_id),
+            done.model_dump_json().encode(),
+        )
+
+    async def _readiness(
+        self, conv: Conversation, readiness_id: UUID, attempt: int
+    ) -> Conversation:
+        action = rules.decide(conv, EventType.CRIATIVO_READINESS_CONFIRMED, readiness_id)
+        if action is Action.CONSOLIDATE:
+            try:
+                outcome = await self._turns.consolidate(conv, readiness_id, attempt)
+            except TurnFailed as exc:
+                await self._failed(conv, rules.CRIATIVO, readiness_id, exc)
+                return await self.catch_up(conv)
+            brief = rules.brief_from_reply(outcome.text, conv)
+            brief_id = await self._log.append(
+                conv.session_id,
+                EventType.ARTIFACT_PRODUCT_BRIEF,
+                rules.CRIATIVO_ACTOR,
+                brief,
+                readiness_id,
+                f"criativo:brief:{readiness_id}",
+            )
+        elif action is Action.OFFER_EXISTING_BRIEF:
+            brief_id = conv.briefs[readiness_id]
+        else:
+            log.info("readiness_ignored", session_id=str(conv.session_id), action=action.value)
+            return conv
+        await queue_offer(self._pool, conv.project_id, conv.session_id, readiness_id, brief_id)
+        return await self.catch_up(conv)

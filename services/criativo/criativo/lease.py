@@ -1,0 +1,90 @@
+"""One place at a time per session, across replicas: a lease in NATS KV.
+
+Every replica pulls from one shared durable consumer, so two messages of a session
+can land on two replicas. Before a turn, the actor takes the session's lease: a KV
+key created only if absent (`kv.create`, compare-and-set on the last revision), that
+expires with the bucket's TTL unless renewed, so a replica that dies holding it
+frees it within one TTL. The holder renews it while the turn runs and deletes it
+(with its revision, so never someone else's) when done. A replica that finds the
+key taken waits for it; the caller keeps its message in progress meanwhile.
+
+If renewing fails (the TTL ran out during a stall and another replica took over),
+the turn goes on: the log's idempotency keys still keep one response per message,
+and the loss is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from uuid import UUID
+
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from servicekit.logs import get_logger
+
+log = get_logger(__name__)
+
+BUCKET = "criativo_leases"
+RETRY_SECONDS = 0.02
+
+
+class SessionLeases:
+    """Leases on sessions, held by this instance."""
+
+    def __init__(self, js: JetStreamContext, instance: str, ttl_seconds: float) -> None:
+        self._js = js
+        self._instance = instance.encode()
+        self._ttl = ttl_seconds
+        self._kv: KeyValue | None = None
+
+    async def open(self, replicas: int = 1) -> None:
+        """Create the bucket, or bring its TTL to ours (replicas share one setting)."""
+        config = KeyValueConfig(bucket=BUCKET, ttl=self._ttl, history=1, replicas=replicas)
+        try:
+            self._kv = await self._js.create_key_value(config)
+        except BadRequestError:  # exists with another TTL: the newest setting wins
+            info = await self._js.stream_info(f"KV_{BUCKET}")
+            info.config.max_age = self._ttl
+            info.config.duplicate_window = min(self._ttl, 120.0)
+            await self._js.update_stream(info.config)
+            self._kv = await self._js.key_value(BUCKET)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, session_id: UUID) -> AsyncIterator[None]:
+        """Hold the session's lease for the block; waits while another replica holds it."""
+        assert self._kv is not None, "open() first"
+        kv, key = self._kv, str(session_id)
+        revision = await self._acquire(kv, key)
+        state = {"revision": revision}
+        renewer = asyncio.create_task(self._renew(kv, key, state))
+        try:
+            yield
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            try:
+                await kv.delete(key, last=state["revision"])
+            except Exception as exc:  # expired or taken: it is not ours to delete
+                log.warning("lease_release_failed", session_id=key, error=repr(exc))
+
+    async def _acquire(self, kv: KeyValue, key: str) -> int:
+        while True:
+            try:
+                return await kv.create(key, self._instance)
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(RETRY_SECONDS)  # held elsewhere: until released or expired
+
+    async def _renew(self, kv: KeyValue, key: str, state: dict[str, int]) -> None:
+        while True:
+            await asyncio.sleep(self._ttl / 3)
+            try:
+                state["revision"] = await kv.update(key, self._instance, last=state["revision"])
+            except Exception as exc:
+                log.error("lease_lost", session_id=key, error=repr(exc))
+                return

@@ -1,0 +1,265 @@
+"""The model turns of a session, all through metering (the harness's client only).
+
+- `criativo`: a streaming tool loop. Each model call is one `cmd.llm.stream` whose
+  deltas go to the session's `agent.delta.<project>.<session>`; tool calls
+  (`emit_artifact`) run between calls and their results go back to the model, so a
+  refused rule is corrected on the next call. The person sees every call's text.
+- `plain`: the chat of sessions without Criativo (DESIGN.md flow 1): one streaming,
+  stateless call with the current message only, agent slug `chat`.
+- `consolidate`: the brief after readiness, one whole-reply call with no tools —
+  the model can write the brief's text, never emit it (ADR 0008 decision 5).
+
+Turn ids carry the delivery number: a turn cut short by a crash is called again,
+fresh, when its message is redelivered (metering bills both calls, as both happened).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib.resources import files
+from typing import Any
+from uuid import UUID
+
+from contracts.events import BusinessRule, TurnUsage
+from contracts.metering import (
+    ChatMessage,
+    LlmTurn,
+    TextBlock,
+    TokenUsage,
+    ToolResultBlock,
+    ToolUseBlock,
+    TurnReply,
+)
+from domain import criativo as rules
+from domain.criativo import Conversation
+from domain.errors import DomainError
+from harness import MeteringClient, Tool, ToolResult, stream_turn
+from servicekit.client import CommandFailed
+
+CRIATIVO_PROMPT = (files("criativo") / "prompts" / "criativo.md").read_text(encoding="utf-8")
+CONSOLIDATION_PROMPT = (files("criativo") / "prompts" / "consolidation.md").read_text(
+    encoding="utf-8"
+)
+
+# Records a valid rule in the log; returns its event id.
+RecordRule = Callable[[BusinessRule, int], Awaitable[UUID]]
+
+
+class TurnFailed(Exception):
+    """Metering refused or failed the turn (after the provider's retries)."""
+
+    def __init__(self, code: str, message: str, turn_ids: list[str]) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.turn_ids = turn_ids
+
+
+@dataclass
+class TurnOutcome:
+    """What a turn produced: its text, the calls it made and what they cost."""
+
+    text: str
+    turn_ids: list[str] = field(default_factory=list)
+    usage: TokenUsage = field(default_factory=TokenUsage)
+    cost_micros: int = 0
+    model: str = ""
+    rules: list[UUID] = field(default_factory=list)
+
+    def add(self, reply: TurnReply) -> None:
+        self.usage = TokenUsage(
+            **{k: getattr(self.usage, k) + getattr(reply.usage, k) for k in TokenUsage.model_fields}
+        )
+        self.cost_micros += reply.cost_micros
+        self.model = reply.model
+
+    def turn_usage(self) -> TurnUsage:
+        """The usage the `agent.response` carries (cache writes of both lifetimes summed)."""
+        u = self.usage
+        return TurnUsage(
+            model=self.model or "unknown",
+            input_tokens=u.input_tokens,
+            output_tokens=u.output_tokens,
+            cache_creation_input_tokens=u.cache_write_5m_tokens + u.cache_write_1h_tokens,
+            cache_read_input_tokens=u.cache_read_tokens,
+            cost_micros=self.cost_micros,
+        )
+
+
+EMIT_ARTIFACT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "type": {"type": "string", "enum": rules.known()},
+        "title": {"type": "string", "description": "a short name for the rule"},
+        "statement": {"type": "string", "description": "the rule, precisely"},
+        "origin": {
+            "type": "array",
+            "items": {"type": "string", "format": "uuid"},
+            "minItems": 1,
+            "description": "ids of the person's messages it comes from ([message <id>])",
+        },
+    },
+    "required": ["type", "title", "statement", "origin"],
+}
+
+
+def emit_artifact(conv: Conversation, record: RecordRule) -> Tool:
+    """The tool: validated by the domain; a refusal goes back to the model verbatim."""
+    recorded = 0
+
+    async def handler(raw: dict[str, Any]) -> ToolResult:
+        nonlocal recorded
+        try:
+            rule = rules.check_artifact(raw, conv)
+        except DomainError as exc:
+            return ToolResult.error(f"{exc.code}: {exc.message}")
+        recorded += 1
+        event_id = await record(rule, recorded)
+        return ToolResult.ok(f"business_rule recorded as event {event_id}", data=event_id)
+
+    return Tool(
+        "emit_artifact",
+        "Record an artifact of the conversation. Only business_rule can be emitted; the "
+        "product brief is written by the system after the person confirms readiness.",
+        EMIT_ARTIFACT_SCHEMA,
+        handler,
+    )
+
+
+class Turns:
+    """Runs a session's model turns through metering."""
+
+    def __init__(
+        self,
+        client: MeteringClient,
+        *,
+        max_iterations: int,
+        max_tokens: int,
+        budget_micros: int | None,
+    ) -> None:
+        self._client = client
+        self._max_iterations = max_iterations
+        self._max_tokens = max_tokens
+        self._budget = budget_micros
+
+    async def criativo(
+        self, conv: Conversation, message_id: UUID, seq: int, attempt: int, record: RecordRule
+    ) -> TurnOutcome:
+        """Answer one message with the conversation so far, recording rules as they come."""
+        tool = emit_artifact(conv, record)
+        system = f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
+        messages = rules.model_messages(conv, upto_seq=seq)
+        outcome = TurnOutcome(text="")
+        texts: list[str] = []
+        for iteration in range(1, self._max_iterations + 1):
+            turn_id = f"criativo.{message_id}.{attempt}.{iteration}"
+            outcome.turn_ids.append(turn_id)
+            try:
+                reply = await stream_turn(
+                    self._client,
+                    run_id=f"criativo.{conv.session_id}",
+                    turn_id=turn_id,
+                    agent_slug=rules.CRIATIVO,
+                    project_id=conv.project_id,
+                    session_id=conv.session_id,
+                    system=system,
+                    messages=messages,
+                    max_tokens=self._max_tokens,
+                    tools=[tool.spec()],
+                    budget_micros=self._budget,
+                )
+            except CommandFailed as exc:
+                raise TurnFailed(exc.code, exc.message, outcome.turn_ids) from None
+            outcome.add(reply)
+            texts.extend(b.text for b in reply.content if isinstance(b, TextBlock) and b.text)
+            calls = [b for b in reply.content if isinstance(b, ToolUseBlock)]
+            if not calls:
+                break
+            results: list[ToolResultBlock] = []
+            for call in calls:
+                result = await self._run(tool, call)
+                if not result.is_error and isinstance(result.data, UUID):
+                    outcome.rules.append(result.data)
+                results.append(
+                    ToolResultBlock(
+                        tool_use_id=call.id, content=result.content, is_error=result.is_error
+                    )
+                )
+            messages = [
+                *messages,
+                ChatMessage(role="assistant", content=list(reply.content)),
+                ChatMessage(role="user", content=list(results)),
+            ]
+        outcome.text = "\n\n".join(texts)
+        return outcome
+
+    @staticmethod
+    async def _run(tool: Tool, call: ToolUseBlock) -> ToolResult:
+        if call.name != tool.name:
+            return ToolResult.error(
+                f"there is no tool named {call.name!r}; the only tool is {tool.name}"
+            )
+        return await tool.handler(call.input)
+
+    async def plain(
+        self, conv: Conversation, message_id: UUID, text: str, attempt: int
+    ) -> TurnOutcome:
+        """The stateless answer of a session without Criativo: the current message only."""
+        turn_id = f"chat.{message_id}.{attempt}"
+        try:
+            reply = await stream_turn(
+                self._client,
+                run_id=f"chat.{conv.session_id}",
+                turn_id=turn_id,
+                agent_slug=rules.PLAIN_CHAT,
+                project_id=conv.project_id,
+                session_id=conv.session_id,
+                system="",
+                messages=[ChatMessage(role="user", content=text)],
+                max_tokens=self._max_tokens,
+            )
+        except CommandFailed as exc:
+            raise TurnFailed(exc.code, exc.message, [turn_id]) from None
+        outcome = TurnOutcome(
+            text="".join(b.text for b in reply.content if isinstance(b, TextBlock)),
+            turn_ids=[turn_id],
+        )
+        outcome.add(reply)
+        return outcome
+
+    async def consolidate(
+        self, conv: Conversation, readiness_id: UUID, attempt: int
+    ) -> TurnOutcome:
+        """The consolidation turn after readiness: the brief's text, no tools offered."""
+        turn_id = f"criativo.{readiness_id}.brief.{attempt}"
+        ask = CONSOLIDATION_PROMPT.format(readiness_id=readiness_id)
+        history = rules.model_messages(conv)
+        if history and history[-1].role == "user":
+            last = history[-1]
+            history[-1] = ChatMessage(role="user", content=f"{last.content}\n\n{ask}")
+        else:
+            history.append(ChatMessage(role="user", content=ask))
+        system = f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
+        try:
+            reply = await self._client.turn(
+                LlmTurn(
+                    run_id=f"criativo.{conv.session_id}",
+                    turn_id=turn_id,
+                    agent_slug=rules.CRIATIVO,
+                    project_id=conv.project_id,
+                    session_id=conv.session_id,
+                    system=system,
+                    messages=history,
+                    max_tokens=self._max_tokens,
+                    budget_micros=self._budget,
+                )
+            )
+        except CommandFailed as exc:
+            raise TurnFailed(exc.code, exc.message, [turn_id]) from None
+        outcome = TurnOutcome(
+            text="".join(b.text for b in reply.content if isinstance(b, TextBlock)),
+            turn_ids=[turn_id],
+        )
+        outcome.add(reply)
+        return outcome

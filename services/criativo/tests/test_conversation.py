@@ -1,0 +1,235 @@
+"""Criativo against real NATS and Postgres, with metering's scripted provider (ADR 0008
+consequences: streaming, the brief guardrail, readiness → brief + handoff, broadcast,
+rehydration; plus exactly-once, one turn at a time, errors, plain chat)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+from nats.aio.client import Client
+
+from contracts import subjects
+from contracts.events import EventType
+from servicekit.testing import wait_for
+
+from .conftest import WORDS, Driver, StartCriativo
+
+
+async def test_a_turn_streams_its_deltas_then_closes_with_the_response(bus: Driver) -> None:
+    session = await bus.open()
+    seen = await bus.watch(session)
+    message = await bus.say(session, "SLOW please")
+    response = await bus.outcome(session, message)
+    assert response.type is EventType.AGENT_RESPONSE
+    assert response.actor == "agent:criativo" and response.payload["agent"] == "criativo"
+    assert response.payload["text"] == WORDS
+    usage = response.payload["usage"]
+    assert usage["output_tokens"] > 0 and usage["cost_micros"] > 0
+    await wait_for(lambda: seen.dones, what="agent.done")
+    done = seen.dones[0]
+    assert done.response_id == response.id and done.causation_id == message
+    # broadcast in order, numbered from 1, token by token: the first token reached us
+    # before the provider produced the last one (20 ms apart), not all at the end
+    deltas = [d for _, d in seen.deltas]
+    assert [d.seq for d in deltas] == list(range(1, len(WORDS.split()) + 1))
+    assert "".join(d.text for d in deltas) == WORDS
+    assert {d.turn_id for d in deltas} == set(done.turn_ids)
+    arrived = [t for t, _ in seen.deltas]
+    assert arrived[-1] - arrived[0] > 0.2
+
+
+async def test_business_rules_cite_the_message_they_came_from(bus: Driver) -> None:
+    session = await bus.open()
+    message = await bus.say(session, "Pedidos fecham às 18h")
+    response = await bus.outcome(session, message)
+    rules = await bus.events(session, "artifact.business_rule")
+    assert len(rules) == 1
+    assert rules[0].payload["origin"] == [str(message)]
+    assert rules[0].causation_id == message and rules[0].actor == "agent:criativo"
+    assert rules[0].seq < response.seq
+    assert "Anotei essa regra" in response.payload["text"]
+    # the rule went back to the model as the tool's result, with its event id
+    last = bus.provider.requests[-1]
+    assert str(rules[0].id) in json.dumps([m.model_dump(mode="json") for m in last.messages])
+
+
+async def test_the_model_cannot_emit_a_brief(bus: Driver) -> None:
+    session = await bus.open()
+    message = await bus.say(session, "EMIT-BRIEF agora")
+    response = await bus.outcome(session, message)
+    assert await bus.events(session, "artifact.product_brief") == []
+    assert "depois da sua confirmação" in response.payload["text"]
+    # the refusal reached the model as an error tool result it could correct from
+    retry = bus.provider.requests[-1].messages[-1]
+    assert not isinstance(retry.content, str)
+    result = retry.content[0]
+    assert result.type == "tool_result" and result.is_error
+    assert "artifact_not_emittable" in result.content
+    # and the tool never offers the brief
+    tool = bus.provider.requests[-1].tools[0]
+    assert tool.input_schema["properties"]["type"]["enum"] == ["business_rule"]
+
+
+async def test_readiness_writes_the_brief_and_offers_it_to_po(bus: Driver) -> None:
+    session = await bus.open()
+    said = await bus.say(session, "Um app para padarias; pedidos fecham às 18h")
+    await bus.outcome(session, said)
+    rule = (await bus.events(session, "artifact.business_rule"))[0]
+    readiness = await bus.ready(session)
+
+    async def offered() -> list[object]:
+        return await bus.events(session, "handoff.offered")
+
+    offer = (await wait_for(offered, timeout=30, what="handoff.offered"))[0]
+    brief = (await bus.events(session, "artifact.product_brief"))[0]
+    assert brief.causation_id == readiness and brief.actor == "agent:criativo"
+    assert brief.payload["business_rule_ids"] == [str(rule.id)]
+    assert "padarias" in brief.payload["summary"]
+    assert offer.payload["artifact_id"] == str(brief.id)
+    assert offer.payload["to_agent"] == "po" and offer.causation_id == brief.id
+    rows = await bus.db.fetch("SELECT * FROM handoff.handoffs WHERE session_id = $1", session)
+    assert [(r["status"], r["artifact_id"]) for r in rows] == [("offered", brief.id)]
+
+    # a repeated confirmation is a new brief whose offer supersedes the pending one
+    again = await bus.ready(session)
+
+    async def superseded() -> list[object]:
+        return await bus.events(session, "handoff.superseded")
+
+    await wait_for(superseded, timeout=30, what="handoff.superseded")
+    briefs = await bus.events(session, "artifact.product_brief")
+    assert [b.causation_id for b in briefs] == [readiness, again]
+    rows = await bus.db.fetch(
+        "SELECT status, artifact_id FROM handoff.handoffs WHERE session_id = $1 "
+        "ORDER BY created_at",
+        session,
+    )
+    assert [(r["status"], r["artifact_id"]) for r in rows] == [
+        ("superseded", brief.id),
+        ("offered", briefs[1].id),
+    ]
+    await wait_for(
+        lambda: bus.db.fetchval("SELECT count(*) = 0 FROM criativo.outbox"), what="outbox drained"
+    )
+    assert await bus.db.fetchval("SELECT count(*) FROM criativo.dead_letters") == 0
+
+
+async def test_readiness_in_a_session_without_criativo_writes_nothing(bus: Driver) -> None:
+    session = await bus.open(criativo=False)
+    readiness = await bus.ready(session)
+    marker = await bus.say(session, "depois")
+    await bus.outcome(session, marker)  # inputs are handled in order: readiness is done
+    assert await bus.events(session, "artifact.") == []
+    assert readiness not in {e.causation_id for e in await bus.events(session)}
+
+
+async def test_a_redelivered_message_is_not_answered_again(bus: Driver, nc: Client) -> None:
+    session = await bus.open()
+    message = await bus.say(session, "olá")
+    await bus.outcome(session, message)
+    calls = len(bus.provider.requests)
+    # The same event again on the stream (as a relay retrying past the dedup window would)
+    original = next(e for e in await bus.events(session) if e.id == message)
+    js = nc.jetstream()
+    ack = await js.publish(
+        subjects.event_subject(EventType.CHAT_MESSAGE, bus.project, session),
+        original.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": f"again-{message}"},
+    )
+
+    async def consumed() -> bool:
+        info = await js.consumer_info("EVENTS", "criativo-inputs")
+        return info.ack_floor.stream_seq >= ack.seq and info.num_ack_pending == 0
+
+    await wait_for(consumed, what="the copy to be handled")
+    answers = [e for e in await bus.events(session, "agent.response") if e.causation_id == message]
+    assert len(answers) == 1
+    assert len(bus.provider.requests) == calls
+
+
+async def test_a_burst_is_answered_in_order_one_turn_at_a_time(bus: Driver) -> None:
+    session = await bus.open()
+    messages = [await bus.say(session, f"mensagem {i}") for i in range(8)]
+    for message in messages:
+        await bus.outcome(session, message)
+    responses = await bus.events(session, "agent.response")
+    assert [r.causation_id for r in responses] == messages
+    turns = await bus.usage(session)
+    assert len(turns) == 16  # a rule and a reply per message
+    for before, after in itertools.pairwise(turns):
+        assert before["finished_at"] <= after["started_at"], "two turns overlapped"
+    # each turn saw every earlier message of the conversation
+    assert "mensagem 6" in str(bus.provider.requests[-2].messages)
+
+
+async def test_a_provider_failure_becomes_an_agent_error_and_the_session_goes_on(
+    bus: Driver,
+) -> None:
+    session = await bus.open()
+    seen = await bus.watch(session)
+    bus.provider.failures = 1
+    failed = await bus.say(session, "olá?")
+    error = await bus.outcome(session, failed)
+    assert error.type is EventType.AGENT_ERROR
+    assert error.payload["code"] == "provider_error"
+    assert "send it again" in error.payload["reason"]
+    await wait_for(lambda: seen.dones, what="agent.done")
+    assert seen.dones[0].error_code == "provider_error" and seen.dones[0].response_id is None
+    later = await bus.say(session, "e agora?")
+    assert (await bus.outcome(session, later)).type is EventType.AGENT_RESPONSE
+
+
+async def test_a_session_without_criativo_gets_the_plain_chat(bus: Driver) -> None:
+    session = await bus.open(criativo=False)
+    message = await bus.say(session, "oi, tem alguém aí?")
+    response = await bus.outcome(session, message)
+    assert response.actor == "agent:chat" and response.payload["agent"] == "chat"
+    assert "oi, tem alguém aí?" in response.payload["text"]
+    request = bus.provider.requests[-1]
+    assert request.agent_slug == "chat" and request.tools == []
+    assert [m.content for m in request.messages] == ["oi, tem alguém aí?"]  # stateless
+    assert await bus.events(session, "artifact.") == []
+    # once the person starts Criativo, Criativo answers, with the whole conversation
+    await bus.start_criativo(session)
+    second = await bus.say(session, "quero um app")
+    answer = await bus.outcome(session, second)
+    assert answer.payload["agent"] == "criativo"
+    assert "oi, tem alguém aí?" in str(bus.provider.requests[-2].messages)
+
+
+async def test_budget_exceeded_is_told_to_the_person(
+    driver: Driver, start_criativo: StartCriativo
+) -> None:
+    await start_criativo(session_budget_micros=10)
+    session = await driver.open()
+    message = await driver.say(session, "olá")
+    error = await driver.outcome(session, message)
+    assert error.type is EventType.AGENT_ERROR
+    assert error.payload["code"] == "budget_exceeded"
+    assert "budget" in error.payload["reason"]
+
+
+async def test_an_actor_that_keeps_crashing_ends_the_session_abnormally(bus: Driver) -> None:
+    session = await bus.open()
+    await bus.say(session, "HUGE reply please")
+
+    async def closed() -> list[object]:
+        return await bus.events(session, "session.closed_abnormally")
+
+    ending = (await wait_for(closed, timeout=30, what="session.closed_abnormally"))[0]
+    assert "criativo crashed 3 times" in ending.payload["reason"]
+    assert "payload_too_large" in ending.payload["reason"]
+    assert await bus.events(session, "agent.response") == []
+
+
+async def test_inputs_of_different_sessions_run_concurrently(bus: Driver) -> None:
+    sessions = [await bus.open() for _ in range(4)]
+    messages = await asyncio.gather(*(bus.say(s, "SLOW ao mesmo tempo") for s in sessions))
+    for s, m in zip(sessions, messages, strict=True):
+        await bus.outcome(s, m)
+    spans = [(r["started_at"], r["finished_at"]) for s in sessions for r in await bus.usage(s)]
+    latest_start = max(start for start, _ in spans)
+    earliest_end = min(end for _, end in spans)
+    assert latest_start < earliest_end, "sessions waited for each other"

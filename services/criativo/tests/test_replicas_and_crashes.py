@@ -1,0 +1,101 @@
+"""Criativo across processes: killed mid-turn and restarted (rehydration, exactly one
+answer), and two replicas sharing the sessions (one place at a time per session)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from servicekit.testing import wait_for
+
+from .conftest import Driver, StartCriativo
+
+FAST_RETRIES = {
+    "AGENTBUS_LEASE_TTL_SECONDS": "2",
+    "AGENTBUS_RETRY_BACKOFF_SECONDS": "[0.2, 0.4, 0.8]",
+    "AGENTBUS_OUTBOX_POLL_SECONDS": "0.2",
+}
+
+
+async def test_killed_mid_turn_it_answers_once_after_restart_with_the_whole_thread(
+    driver: Driver, spawn: Any, nc: Client
+) -> None:
+    criativo = spawn("criativo", **FAST_RETRIES)
+    await criativo.wait_ready(nc, "criativo")
+    session = await driver.open()
+    first = await driver.say(session, "Um app para padarias de bairro")
+    await driver.outcome(session, first)
+
+    seen = await driver.watch(session)
+    cut = await driver.say(session, "KILLME agora, no meio da resposta")
+    await wait_for(lambda: seen.deltas, what="the turn to start streaming")
+    criativo.kill()  # SIGKILL: no clean-up, the message is not acknowledged
+
+    criativo.start(**FAST_RETRIES)
+    await criativo.wait_ready(nc, "criativo")
+    answer = await driver.outcome(session, cut)
+    assert answer.type.value == "agent.response"
+    responses = [e for e in await driver.events(session, "agent.response")]
+    assert [r.causation_id for r in responses] == [first, cut]  # answered exactly once
+
+    # The new process rehydrated the conversation from the log: its turn read the
+    # first message and the answer to it.
+    rerun = [r for r in driver.provider.requests if "KILLME" in str(r.messages)][-1]
+    history = "\n".join(str(m.content) for m in rerun.messages)
+    assert str(first) in history and "padarias de bairro" in history
+    assert responses[0].payload["text"] in history
+    later = await driver.say(session, "e o que mais?")
+    assert (await driver.outcome(session, later)).payload["agent"] == "criativo"
+
+
+async def _replicas_answering(nc: Client, count: int) -> bool:
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish("$SRV.PING.criativo", b"", reply=inbox)
+    instances = set()
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=0.3)
+            instances.add(json.loads(msg.data)["metadata"]["instance"])
+    except Exception:
+        pass
+    finally:
+        await sub.unsubscribe()
+    return len(instances) >= count
+
+
+async def test_two_replicas_run_each_sessions_turns_in_one_place_at_a_time(
+    driver: Driver, start_criativo: StartCriativo, nc: Client
+) -> None:
+    # One message per fetch, so both replicas get messages of the same sessions.
+    await start_criativo(instance_id="replica-a", consumer_batch=1)
+    await start_criativo(instance_id="replica-b", consumer_batch=1)
+    await wait_for(lambda: _replicas_answering(nc, 2), what="both replicas")
+    holders: list[str] = []
+
+    async def on_lease(msg: Msg) -> None:
+        if msg.data:  # a delete marker has no value
+            holders.append(msg.data.decode())
+
+    await nc.subscribe("$KV.criativo_leases.>", cb=on_lease)
+    sessions = [await driver.open() for _ in range(4)]
+
+    async def burst(session: uuid.UUID) -> list[uuid.UUID]:
+        return [await driver.say(session, f"ideia {i}") for i in range(5)]
+
+    bursts = await asyncio.gather(*(burst(s) for s in sessions))
+    for session, messages in zip(sessions, bursts, strict=True):
+        for message in messages:
+            await driver.outcome(session, message)
+        responses = await driver.events(session, "agent.response")
+        assert [r.causation_id for r in responses] == messages  # once each, in order
+        turns = await driver.usage(session)
+        for before, after in itertools.pairwise(turns):
+            assert before["finished_at"] <= after["started_at"], "a session ran in two places"
+    assert set(holders) == {"replica-a", "replica-b"}
