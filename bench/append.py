@@ -22,40 +22,46 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import nats
 import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from pydantic import BaseModel
 
+from benchkit import (
+    Col,
+    CpuMeter,
+    CpuUsage,
+    Op,
+    Servers,
+    closed_loop,
+    cpu_table,
+    fresh_database,
+    percentile,
+    servers,
+    service_env,
+    start_services,
+    table,
+    wire,
+)
 from contracts import subjects
 from contracts.events import Event, EventType
 from contracts.session_events import AppendEvent, OpenSession, SessionOpenedReply
 from servicekit.client import call
-from servicekit.embedded import start_nats, start_postgres
 from servicekit.settings import ServiceSettings
-from servicekit.testing import ServiceProcess
 
 SERVICE, PROJECT, ACTOR, CHAT = "session_events", "bench", "user:bench", EventType.CHAT_MESSAGE
 TEXT = "Could the onboarding flow remember where the person stopped last time? " * 2
 TARGET_RATE, TARGET_PRODUCERS = 2000, 32
-TICK = os.sysconf("SC_CLK_TCK")
 ROLES = ("client", "service", "echo", "postgres", "nats")
-Op = Callable[[int], Awaitable[bool]]  # one operation of producer i; False = an error reply
 
 
 @dataclass
@@ -78,44 +84,6 @@ class Row:
         return self.ops / self.seconds
 
 
-def percentile_ms(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else 0.0
-
-
-def proc_stat(pid: int) -> list[str]:
-    """The fields of /proc/<pid>/stat after the command name: state, ppid, …"""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """CPU seconds each live process has run (all its threads), plus those of the children it
-    reaped: the postmaster reaps the backends asyncpg recycles every 50,000 queries."""
-    seconds: dict[int, float] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            tasks = Path(f"/proc/{pid}/task").iterdir()
-            ran = sum(int((t / "schedstat").read_text().split()[0]) for t in tasks) / 1e9
-            reaped = proc_stat(pid)[13:15]
-            seconds[pid] = ran + (int(reaped[0]) + int(reaped[1])) / TICK
-    return seconds
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all cores spent not idle (nor waiting on I/O) since boot."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / TICK
-
-
-def wire(model: BaseModel) -> bytes:
-    return model.model_dump_json().encode()
-
-
-def is_postgres(pid: int) -> bool:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/comm").read_text().startswith("postgres")
-    return False
-
-
 @dataclass
 class Bench:
     nc: Client
@@ -124,12 +92,6 @@ class Bench:
     replied: dict[str, float] = field(default_factory=dict)  # event id -> reply received
     arrived: dict[str, float] = field(default_factory=dict)  # event id -> seen on the bus
     appended: int = 0
-
-    async def postgres_pids(self) -> list[int]:
-        """The backends, when on this machine, and their postmaster."""
-        rows = await self.pool.fetch("SELECT pid FROM pg_stat_activity")
-        backends = [r["pid"] for r in rows if is_postgres(r["pid"])]
-        return [*backends, int(proc_stat(backends[0])[1])] if backends else []
 
     async def seen(self, msg: Msg) -> None:
         if msg.headers:
@@ -147,49 +109,25 @@ class Bench:
         return op
 
     async def run(self, scenario: str, producers: int, op: Op, duration: float) -> Row:
-        await self.loop(op, producers, min(1.0, duration / 5))  # warm-up, not counted
+        await closed_loop(op, producers, min(1.0, duration / 5))  # warm-up, not counted
         self.replied.clear()
         self.arrived.clear()
-        pids = {**self.pids, "postgres": await self.postgres_pids()}
-        before, machine = {k: cpu_seconds(v) for k, v in pids.items()}, machine_busy_seconds()
-        latencies, errors, seconds = await self.loop(op, producers, duration)
-        machine = machine_busy_seconds() - machine
-        after = {k: cpu_seconds(v) for k, v in pids.items()}
-        # backends started meanwhile count whole; those that ended are in the postmaster's sum
-        new = [p for p in await self.postgres_pids() if p not in before["postgres"]]
-        before["postgres"] |= dict.fromkeys(new, 0.0)
-        after["postgres"] |= cpu_seconds(new)
-        cpu = {k: sum(after[k].get(p, 0.0) - t for p, t in before[k].items()) for k in pids}
-        per_op = {k: round(c * 1000 / max(len(latencies), 1), 3) for k, c in cpu.items() if c}
-        p50, p99 = percentile_ms(latencies, 0.5), percentile_ms(latencies, 0.99)
-        row = Row(scenario, producers, len(latencies), errors, seconds, p50, p99, per_op)
-        row.cores_ours, row.cores_machine = sum(cpu.values()) / seconds, machine / seconds
+        meter = CpuMeter(self.pids, self.pool)
+        await meter.start()
+        result = await closed_loop(op, producers, duration)
+        cpu = await meter.stop(len(result.latencies), result.seconds)
+        row = Row(scenario, producers, len(result.latencies), result.errors, result.seconds,
+                  result.p_ms(0.5), result.p_ms(0.99), cpu.ms_per_op)  # fmt: skip
+        row.cores_ours, row.cores_machine = cpu.cores_ours, cpu.cores_machine
         if self.replied:  # wait for the relay to publish what was acknowledged, then pair up
             deadline = time.monotonic() + 10
             while self.replied.keys() - self.arrived.keys() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             pairs = self.replied.items()
             lags = sorted(self.arrived[k] - t for k, t in pairs if k in self.arrived)
-            row.lag_p50_ms, row.lag_p99_ms = percentile_ms(lags, 0.5), percentile_ms(lags, 0.99)
+            row.lag_p50_ms = percentile(lags, 0.5, empty=0.0) * 1000
+            row.lag_p99_ms = percentile(lags, 0.99, empty=0.0) * 1000
         return row
-
-    @staticmethod
-    async def loop(op: Op, producers: int, seconds: float) -> tuple[list[float], int, float]:
-        ok: list[float] = []
-        failed: list[float] = []  # error replies, timeouts, no responders: counted, not fatal
-        deadline = time.perf_counter() + seconds
-
-        async def producer(i: int) -> None:
-            while (start := time.perf_counter()) < deadline:
-                try:
-                    done = await op(i)
-                except Exception:
-                    done = False
-                (ok if done else failed).append(time.perf_counter() - start)
-
-        begin = time.perf_counter()
-        await asyncio.gather(*(producer(i) for i in range(producers)))
-        return sorted(ok), len(failed), time.perf_counter() - begin
 
 
 async def echo(url: str, subject: str) -> None:
@@ -203,20 +141,13 @@ async def echo(url: str, subject: str) -> None:
     await asyncio.Event().wait()
 
 
-async def measure(
-    args: argparse.Namespace, nats_url: str, admin_url: str, nats_pid: int | None, logs: Path
-) -> tuple[list[Row], dict[str, int]]:
-    name, tag = f"bench_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex[:8]
+async def measure(args: argparse.Namespace, srv: Servers) -> tuple[list[Row], dict[str, int]]:
+    tag = uuid.uuid4().hex[:8]
     echo_subject = f"bench.echo.{tag}"
-    db_url = urlunsplit(urlsplit(admin_url)._replace(path=f"/{name}"))
-    env = {**os.environ, "NATS_URL": nats_url, "DATABASE_URL": db_url}
-    env["AGENTBUS_LOG_LEVEL"] = "WARNING"
     async with contextlib.AsyncExitStack() as stack:  # undone in reverse order
-        admin = await asyncpg.connect(admin_url)
-        stack.push_async_callback(admin.close)
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        stack.push_async_callback(admin.execute, f'DROP DATABASE "{name}" WITH (FORCE)')
-        nc = await nats.connect(nats_url)
+        db_url = await stack.enter_async_context(fresh_database(srv.admin_url))
+        env = service_env(srv.nats_url, db_url)
+        nc = await nats.connect(srv.nats_url)
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         await js.add_stream(name=f"BENCH_{tag}", subjects=[f"bench.{tag}.>"])
@@ -224,16 +155,10 @@ async def measure(
         size = ServiceSettings().db_pool_max
         pool = await asyncpg.create_pool(db_url, min_size=size, max_size=size)
         stack.push_async_callback(pool.close)
-        services = [
-            ServiceProcess(SERVICE, env, logs / f"service-{i}.log") for i in range(args.replicas)
-        ]
-        for proc in services:
-            stack.callback(proc.start().kill, signal.SIGTERM)
         echoer = subprocess.Popen([sys.executable, __file__, "--echo", echo_subject], env=env)
         stack.callback(echoer.wait)
         stack.callback(echoer.terminate)
-        for proc in services:
-            await proc.wait_ready(nc, SERVICE)
+        services = await start_services(stack, nc, env, srv.state, [SERVICE] * args.replicas)
         for _ in range(400):  # until the echo responder answers
             with contextlib.suppress(Exception):
                 await nc.request(echo_subject, b"ping", timeout=0.5)
@@ -243,7 +168,7 @@ async def measure(
             "CREATE TABLE bench_rows (id uuid PRIMARY KEY, seq bigint, type text, payload jsonb)"
         )
         pids = {"client": [os.getpid()], "service": [p.pid for p in services]}
-        pids |= {"echo": [echoer.pid], "nats": [nats_pid] if nats_pid else []}
+        pids |= {"echo": [echoer.pid], "nats": [srv.nats_pid] if srv.nats_pid else []}
         bench = Bench(nc, pool, pids)
         await nc.subscribe(f"{CHAT.value}.{PROJECT}.*", cb=bench.seen)
 
@@ -296,27 +221,27 @@ async def measure(
 
 def report(rows: list[Row], check: dict[str, int]) -> str:
     base = {(r.scenario, r.producers): r for r in rows if not r.scenario.startswith("append")}
-    lines = [
-        f"{'scenario':<13}{'prod':>5}{'ops/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'err':>5} |"
-        f"{'÷pg':>6}{'÷js':>6}{'÷hop':>6} |{'p50÷pg':>7}{'p50÷js':>7}{'p50÷hop':>8} |"
-        f"{'lag p50':>8}{'p99':>7}"
-    ]
+    groups = [
+        [Col("scenario", 13, left=True), Col("prod", 5), Col("ops/s", 8, ".0f"),
+         Col("p50 ms", 8, ".2f"), Col("p99 ms", 8, ".2f"), Col("err", 5)],
+        [Col("÷pg", 6, ".2f"), Col("÷js", 6, ".2f"), Col("÷hop", 6, ".2f")],
+        [Col("p50÷pg", 7, ".2f"), Col("p50÷js", 7, ".2f"), Col("p50÷hop", 8, ".2f")],
+        [Col("lag p50", 8, ".2f"), Col("p99", 7, ".2f")],
+    ]  # fmt: skip
+    cells: list[list[list[object]]] = []
     for r in rows:
-        line = f"{r.scenario:<13}{r.producers:>5}{r.rate:>8.0f}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}"
-        line += f"{r.errors:>5} |"
+        cells.append([[r.scenario, r.producers, r.rate, r.p50_ms, r.p99_ms, r.errors]])
         if r.scenario.startswith("append"):
             b = [base[(s, r.producers)] for s in ("pg", "js", "hop")]
-            line += "".join(f"{r.rate / x.rate:6.2f}" for x in b) + " |"
-            line += "".join(f"{r.p50_ms / x.p50_ms:7.2f}" for x in b) + " |"
-            line += f"{r.lag_p50_ms or 0:>8.2f}{r.lag_p99_ms or 0:>7.2f}"
-        lines.append(line)
+            cells[-1] += [[r.rate / x.rate for x in b], [r.p50_ms / x.p50_ms for x in b]]
+            cells[-1].append([r.lag_p50_ms or 0, r.lag_p99_ms or 0])
+    lines = table(groups, cells)
     roles = [k for k in ROLES if any(k in r.cpu_ms_per_op for r in rows)]
-    lines += ["", f"{'CPU ms per op':<18}" + "".join(f"{k:>9}" for k in [*roles, "total"])]
-    lines[-1] += f"   cores busy: ours / machine ({os.cpu_count()})"
-    for r in rows:
-        cpu = [r.cpu_ms_per_op.get(k, 0) for k in roles]
-        line = f"{r.scenario:<13}{r.producers:>5}" + "".join(f"{c:>9.3f}" for c in cpu)
-        lines.append(line + f"{sum(cpu):>9.3f}{r.cores_ours:>15.2f} /{r.cores_machine:>5.2f}")
+    usage = [
+        (r.scenario, r.producers, CpuUsage(r.cpu_ms_per_op, r.cores_ours, r.cores_machine))
+        for r in rows
+    ]
+    lines += ["", *cpu_table(roles, usage)]
     good = check["events"] == check["expected"] and not check["sessions_with_gaps"]
     lines += [
         "",
@@ -344,19 +269,8 @@ def main() -> None:
     if args.echo:
         uvloop.run(echo(os.environ["NATS_URL"], args.echo))
         return
-    with contextlib.ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentbus-bench-")))
-        nats_url, pg_url = os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL")
-        nats_pid = None
-        if not nats_url:
-            nats_server = start_nats(tmp)
-            stack.callback(nats_server.stop)
-            nats_url, nats_pid = nats_server.url, nats_server.process.pid
-        if not pg_url:
-            pg_server = start_postgres(tmp)
-            stack.callback(pg_server.stop)
-            pg_url = pg_server.url
-        rows, check = uvloop.run(measure(args, nats_url, pg_url, nats_pid, tmp))
+    with servers() as srv:
+        rows, check = uvloop.run(measure(args, srv))
     print(report(rows, check))
     if args.json:
         results = [asdict(r) | {"ops_per_s": r.rate} for r in rows]

@@ -18,7 +18,8 @@ metering`, scripted provider), as under `make up`.
 
     .venv/bin/python bench/metering.py [--tokens 30] [--delay-ms 20]
 
-Servers: NATS_URL / DATABASE_URL when set, otherwise embedded ones in a temp dir.
+Servers: NATS_URL / DATABASE_URL when set, otherwise embedded ones in a temp dir; metering
+migrates a database of its own, created for the run and dropped after it.
 """
 
 from __future__ import annotations
@@ -28,23 +29,20 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import nats
 import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from benchkit import fresh_database, latency_row, servers, service_env, start_services
 from contracts import subjects
 from contracts.metering import ChatMessage, LlmStream, TurnDelta, TurnReply
 from servicekit.client import call
-from servicekit.embedded import start_nats, start_postgres
 
 LEVELS = (1, 50, 200)
 # Streams measured per level (the single-stream level runs its streams one after another).
@@ -56,11 +54,6 @@ SUBJECT_ROOT = "agent.delta.bench"
 class Samples:
     per_token_ms: list[float] = field(default_factory=list)
     ttft_overhead_ms: list[float] = field(default_factory=list)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 class Receiver:
@@ -155,39 +148,12 @@ async def baseline(nats_url: str, receiver: Receiver, streams: int, concurrency:
     )
 
 
-async def wait_for_metering(nc: Client, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("metering exited during start-up")
-        with contextlib.suppress(Exception):
-            await nc.request("$SRV.PING.metering", b"", timeout=0.5)
-            return
-        await asyncio.sleep(0.2)
-    raise TimeoutError("metering did not start")
-
-
-def row(name: str, values: list[float], base: list[float] | None = None) -> str:
-    p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
-    text = f"  {name:<28} p50 {p50:7.3f} ms   p99 {p99:7.3f} ms   n={len(values)}"
-    if base:
-        text += f"   ratio p50 {p50 / percentile(base, 0.5):5.2f}  p99 {p99 / percentile(base, 0.99):5.2f}"  # noqa: E501
-    return text
-
-
 async def run(tokens: int, delay_ms: float) -> None:
     delay_s = delay_ms / 1000
-    with contextlib.ExitStack() as stack:
-        nats_url, database_url = os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL")
-        state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-metering-")))
-        if not nats_url:
-            server = start_nats(state)
-            stack.callback(server.stop)
-            nats_url = server.url
-        if not database_url:
-            pg = start_postgres(state)
-            stack.callback(pg.stop)
-            database_url = pg.url
+    async with contextlib.AsyncExitStack() as stack:
+        srv = stack.enter_context(servers(prefix="bench-metering-"))
+        nats_url = srv.nats_url
+        database_url = await stack.enter_async_context(fresh_database(srv.admin_url))
         script = {
             "steps": [
                 {
@@ -198,45 +164,37 @@ async def run(tokens: int, delay_ms: float) -> None:
                 }
             ]
         }
-        script_path = state / "script.json"
+        script_path = srv.state / "script.json"
         script_path.write_text(json.dumps(script))
-        env = {
-            **os.environ,
-            "NATS_URL": nats_url,
-            "DATABASE_URL": database_url,
-            "AGENTBUS_PROVIDER": "scripted",
-            "AGENTBUS_SCRIPT_PATH": str(script_path),
-            "AGENTBUS_LOG_LEVEL": "WARNING",
-            "AGENTBUS_LOG_FORMAT": "json",
-        }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "metering"], env=env, stdout=subprocess.DEVNULL
+        env = service_env(
+            nats_url,
+            database_url,
+            AGENTBUS_PROVIDER="scripted",
+            AGENTBUS_SCRIPT_PATH=str(script_path),
+            AGENTBUS_LOG_FORMAT="json",
         )
-        stack.callback(lambda: (proc.terminate(), proc.wait(30)))
         nc = await nats.connect(nats_url)
-        try:
-            await wait_for_metering(nc, proc)
-            print(f"metering bench: {tokens} tokens per stream, one every {delay_ms} ms; "
-                  f"{os.cpu_count()} cores")  # fmt: skip
-            for level in LEVELS:
-                streams = STREAMS_PER_LEVEL[level]
-                base, measured = Receiver(), Receiver()
-                base.expected = measured.expected = tokens
-                sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=base.on_msg)
-                await nc.flush()
-                await baseline(nats_url, base, streams, level, tokens, delay_s)
-                await sub.unsubscribe()
-                sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=measured.on_msg)
-                await nc.flush()
-                await metering_streams(nc, measured, streams, level, tokens, delay_s)
-                await sub.unsubscribe()
-                hop = base.samples.per_token_ms
-                print(f"{level} concurrent stream(s), {streams} streams:")
-                print(row("baseline raw NATS hop", hop))
-                print(row("per-token added latency", measured.samples.per_token_ms, hop))
-                print(row("TTFT overhead", measured.samples.ttft_overhead_ms, hop))
-        finally:
-            await nc.close()
+        stack.push_async_callback(nc.close)
+        await start_services(stack, nc, env, srv.state, ["metering"])
+        print(f"metering bench: {tokens} tokens per stream, one every {delay_ms} ms; "
+              f"{os.cpu_count()} cores")  # fmt: skip
+        for level in LEVELS:
+            streams = STREAMS_PER_LEVEL[level]
+            base, measured = Receiver(), Receiver()
+            base.expected = measured.expected = tokens
+            sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=base.on_msg)
+            await nc.flush()
+            await baseline(nats_url, base, streams, level, tokens, delay_s)
+            await sub.unsubscribe()
+            sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=measured.on_msg)
+            await nc.flush()
+            await metering_streams(nc, measured, streams, level, tokens, delay_s)
+            await sub.unsubscribe()
+            hop = base.samples.per_token_ms
+            print(f"{level} concurrent stream(s), {streams} streams:")
+            print(latency_row("baseline raw NATS hop", hop))
+            print(latency_row("per-token added latency", measured.samples.per_token_ms, hop))
+            print(latency_row("TTFT overhead", measured.samples.ttft_overhead_ms, hop))
 
 
 def main() -> None:
