@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -145,32 +145,38 @@ class Sender(Protocol):
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]: ...
 
 
-class JetStreamPublisher:
-    """Publishes rows to JetStream with `Nats-Msg-Id`.
+async def in_key_order(
+    rows: Sequence[OutboxRow], deliver: Callable[[OutboxRow], Awaitable[Delivery]]
+) -> list[Delivery]:
+    """Deliver each key's rows one after another and different keys in parallel.
 
-    Each key's rows go one after another, each waiting for its ack, and a failure holds
-    the key's later rows back, so a session's events reach the stream in order; keys
-    (and rows without one) go in parallel, so a stalled server costs one timeout per
-    batch, not one per row.
+    A row that failed (and may succeed later) holds its key's later rows back, so the
+    receiver sees a key's rows in the order they were written; a stalled receiver costs
+    one timeout per batch, not one per row.
     """
+    results: list[Delivery] = [HELD_BACK] * len(rows)
+    chains: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        chains.setdefault(row.ordering_key or f"#row{i}", []).append(i)
+
+    async def deliver_chain(indexes: list[int]) -> None:
+        for i in indexes:
+            results[i] = await deliver(rows[i])
+            if results[i].error is not None and not results[i].permanent:
+                return  # the rest stay HELD_BACK, retried after this one
+
+    await asyncio.gather(*(deliver_chain(chain) for chain in chains.values()))
+    return results
+
+
+class JetStreamPublisher:
+    """Publishes rows to JetStream with `Nats-Msg-Id`, in key order (`in_key_order`)."""
 
     def __init__(self, js: JetStreamContext) -> None:
         self._js = js
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
-        results: list[Delivery] = [HELD_BACK] * len(rows)
-        chains: dict[str, list[int]] = {}
-        for i, row in enumerate(rows):
-            chains.setdefault(row.ordering_key or f"#row{i}", []).append(i)
-
-        async def publish_chain(indexes: list[int]) -> None:
-            for i in indexes:
-                results[i] = await self._publish(rows[i])
-                if results[i].error is not None:
-                    return  # the rest stay HELD_BACK, retried after this one
-
-        await asyncio.gather(*(publish_chain(chain) for chain in chains.values()))
-        return results
+        return await in_key_order(rows, self._publish)
 
     async def _publish(self, row: OutboxRow) -> Delivery:
         headers = {**row.headers, "Nats-Msg-Id": row.msg_id}
@@ -184,27 +190,15 @@ class JetStreamPublisher:
 
 
 class LogAppender:
-    """Appends rows to the session log (`cmd.events.append`), one after another.
-
-    After a row fails, the later rows of its key are not sent in this round, so the
-    log receives a session's events in the order they were written.
-    """
+    """Sends rows as commands (`cmd.events.append`, or another command the row names)
+    and reads the reply, in key order (`in_key_order`): the log receives a session's
+    events in the order they were written, sessions in parallel."""
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
-        results: list[Delivery] = []
-        held: set[str] = set()
-        for row in rows:
-            if row.ordering_key in held:
-                results.append(HELD_BACK)
-                continue
-            result = await self._append(row)
-            if result.error is not None and not result.permanent and row.ordering_key:
-                held.add(row.ordering_key)
-            results.append(result)
-        return results
+        return await in_key_order(rows, self._append)
 
     async def _append(self, row: OutboxRow) -> Delivery:
         try:
