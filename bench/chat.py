@@ -39,6 +39,7 @@ import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from benchkit import latency_row
 from contracts import subjects
 from contracts.handoff import ActivateAgent, ActivationReply
 from contracts.metering import TurnDelta
@@ -57,8 +58,8 @@ LEVELS = (1, 50, 200)
 PROJECT = "bench"
 SERVICES = ("session_events", "handoff", "metering", "criativo")
 
-# The raw-hop baseline and the report rows are bench/metering.py's, so both benchmarks
-# measure their baseline the same way.
+# The raw-hop baseline is bench/metering.py's and the report rows benchkit's, so both
+# benchmarks measure and print their baseline the same way.
 _spec = importlib.util.spec_from_file_location(
     "bench_metering", Path(__file__).with_name("metering.py")
 )
@@ -66,7 +67,8 @@ assert _spec is not None and _spec.loader is not None
 bench_metering = importlib.util.module_from_spec(_spec)
 sys.modules["bench_metering"] = bench_metering  # its dataclasses look their module up
 _spec.loader.exec_module(bench_metering)
-Receiver, baseline, row = bench_metering.Receiver, bench_metering.baseline, bench_metering.row
+Receiver, baseline = bench_metering.Receiver, bench_metering.baseline
+row = latency_row
 
 
 async def wait_ready(nc: Client, service: str, proc: subprocess.Popen[bytes]) -> None:

@@ -228,8 +228,12 @@ SELECT id, subject, msg_id, body, headers, attempts, ordering_key FROM outbox o
         NOT EXISTS (SELECT 1 FROM outbox older
                      WHERE older.ordering_key = o.ordering_key AND older.id < o.id
                        AND older.available_at > now())
-        -- another relay is delivering this key: leave the key to it
-        AND pg_try_advisory_xact_lock(hashtextextended('outbox:' || o.ordering_key, 0))))
+        -- another relay of this outbox is delivering this key: leave the key to it.
+        -- The schema is part of the lock: services sharing a database (one Postgres
+        -- under `make up`) use the same session ids as keys in their own outboxes,
+        -- and must not hold each other back.
+        AND pg_try_advisory_xact_lock(
+            hashtextextended('outbox:' || current_schema() || ':' || o.ordering_key, 0))))
  ORDER BY id
  LIMIT $1
  FOR UPDATE SKIP LOCKED

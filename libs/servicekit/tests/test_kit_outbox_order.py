@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 from contracts import subjects
 from contracts.session_events import AppendedReply, AppendEvent
 from servicekit import outbox
+from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.endpoint import error_reply
 from servicekit.outbox import (
     DELIVERED,
@@ -229,3 +230,31 @@ async def test_an_event_for_the_log_needs_an_idempotency_key(pool: asyncpg.Pool)
         with pytest.raises(ValueError, match="idempotency_key"):
             await enqueue_append(conn, event)
     assert await waiting(pool) == []
+
+
+async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_back(
+    database_url: str, js: JetStreamContext, nc: Client, make_stream: MakeStream
+) -> None:
+    # Under `make up` every service shares one Postgres; their outboxes use the same
+    # session ids as keys. One service delivering a session's row must not make the
+    # other's relay skip its own row of that session (it would wait for its next poll).
+    stream = await make_stream()
+    _, prefix = stream
+    pools = {}
+    for schema in ("svc_a", "svc_b"):
+        pools[schema] = await create_pool(database_url, schema)
+        await migrate(pools[schema], schema, [KIT_MIGRATIONS])
+    try:
+        for schema, p in pools.items():
+            async with p.acquire() as conn, conn.transaction():
+                await enqueue(conn, f"{prefix}.{schema}", f"{schema}-1", b"{}", ordering_key="S")
+        async with pools["svc_a"].acquire() as holder, holder.transaction():
+            # svc_a's relay is in the middle of delivering session S (its claim holds
+            # whatever lock the relay takes for the key) ...
+            assert len(await holder.fetch(outbox.CLAIM, 10)) == 1
+            # ... and svc_b's relay still claims and delivers its own row of S at once.
+            assert await OutboxRelay(pools["svc_b"], JetStreamPublisher(js)).drain_once() == 1
+        assert await published_ids(nc, stream) == ["svc_b-1"]
+    finally:
+        for p in pools.values():
+            await p.close()
