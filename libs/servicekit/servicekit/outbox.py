@@ -49,19 +49,22 @@ MAX_BACKOFF_SECONDS = 60.0
 TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value})
 
 
-def queue_statement(first: int) -> str:
+def queue_statement(first: int, returning: str = "") -> str:
     """The outbox insert (and its wake-up notify) as the tail of a `WITH`, parameters
     `$first`..`$first+5` (see `queue_args`).
 
     Put your own data-modifying CTEs before it, and the effect and its outbox row are
-    written in one round trip: `WITH effect AS (…), {queue_statement(n + 1)}`.
+    written in one round trip: `WITH effect AS (…), {queue_statement(n + 1)}`. To read
+    the effect's `RETURNING` rows back, name them: `returning="effect"` selects
+    `effect.*` (the statement then returns one row per effect row).
     """
     p = [f"${first + i}" for i in range(6)]
+    # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
+    notify = f"pg_notify({p[5]}, '')"
+    tail = f"SELECT {returning}.*, {notify} FROM {returning}" if returning else f"SELECT {notify}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
-        f"VALUES ({p[0]}, {p[1]}, {p[2]}, {p[3]}, {p[4]})) "
-        # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
-        f"SELECT pg_notify({p[5]}, '')"
+        f"VALUES ({p[0]}, {p[1]}, {p[2]}, {p[3]}, {p[4]})) {tail}"
     )
 
 
@@ -98,20 +101,24 @@ async def enqueue(
     )
 
 
-async def enqueue_append(conn: Connection, event: AppendEvent) -> None:
-    """Record an event to append to the session log once the caller's transaction commits.
-
-    The event's idempotency key is required: it makes a repeated append a no-op.
-    """
+def append_args(event: AppendEvent) -> list[Any]:
+    """`queue_args` for an event to append to the session log (see `enqueue_append`)."""
     if event.idempotency_key is None:
         raise ValueError("an event appended through the outbox needs an idempotency_key")
-    await enqueue(
-        conn,
+    return queue_args(
         subjects.EVENTS_APPEND,
         event.idempotency_key,
         event.model_dump_json().encode(),
         ordering_key=str(event.session_id),
     )
+
+
+async def enqueue_append(conn: Connection, event: AppendEvent) -> None:
+    """Record an event to append to the session log once the caller's transaction commits.
+
+    The event's idempotency key is required: it makes a repeated append a no-op.
+    """
+    await conn.execute(f"WITH {queue_statement(1)}", *append_args(event))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ decision 3). Every status change of a handoff happens under its target's lock.
 from __future__ import annotations
 
 from typing import Literal
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from contracts.common import ErrorCode
 from contracts.events import (
@@ -33,6 +33,7 @@ from contracts.handoff import (
 )
 from domain.errors import DomainError
 from domain.handoff import (
+    PendingOffer,
     Status,
     activation_refused,
     already_active,
@@ -41,7 +42,7 @@ from domain.handoff import (
     may_activate,
     skip_reason,
 )
-from handoff.repository import HandoffTransaction
+from handoff.repository import HandoffTransaction, announcement
 
 LIFECYCLE_ACTOR = "system:handoff-lifecycle"
 
@@ -54,20 +55,25 @@ async def offer(tx: HandoffTransaction, cmd: OfferHandoff) -> OfferReply:
     if cmd.mode == "if_absent":
         reason = skip_reason(active is not None, bool(pending))
         if reason is not None:
-            current = await tx.handoff(pending[-1].id) if pending else None
+            current = pending[-1] if pending else None
             return OfferReply(handoff=current, outcome="ja_oferecido", skipped=reason.value)
     if active is not None:
         raise already_active(cmd.project_id, cmd.to_agent, active.session_id)
-    decision = decide_offer(pending, cmd.session_id, cmd.artifact_id)
+    by_id = {h.id: h for h in pending}
+    decision = decide_offer(
+        [PendingOffer(h.id, h.session_id, h.artifact_id) for h in pending],
+        cmd.session_id,
+        cmd.artifact_id,
+    )
     if decision.creates:
         current = await _create(
             tx, cmd.project_id, cmd.session_id, cmd.from_agent, cmd.to_agent, cmd.artifact_id
         )
     else:
         assert decision.kept is not None
-        current = await tx.handoff(decision.kept)
+        current = by_id[decision.kept]
     for old in decision.supersede:
-        await supersede(tx, old, "nova_oferta", current.id)
+        await supersede(tx, by_id[old], "nova_oferta", current.id)
     return OfferReply(handoff=current, outcome=decision.outcome.value)
 
 
@@ -148,44 +154,45 @@ async def activate(tx: HandoffTransaction, cmd: ActivateAgent) -> ActivationRepl
     if not may_activate(cmd.agent, await tx.has_accepted(cmd.session_id, cmd.agent), cmd.via):
         raise activation_refused(cmd.agent, cmd.session_id)
     by = cmd.handoff_id if cmd.via == "accept" else None
-    superseded = [p.id for p in await tx.pending(cmd.project_id, cmd.agent)]
-    for handoff_id in superseded:
-        await supersede(tx, handoff_id, "agente_ativado", by)
-    activation = await tx.insert_activation(
-        cmd.project_id, cmd.session_id, cmd.agent, cmd.via, cmd.handoff_id
-    )
+    pending = await tx.pending(cmd.project_id, cmd.agent)
+    for old in pending:
+        await supersede(tx, old, "agente_ativado", by)
     payload = AgentActivated(agent=cmd.agent, via=cmd.via, handoff_id=cmd.handoff_id)
-    await tx.emit(
+    activation = await tx.insert_activation(
+        cmd.project_id,
         cmd.session_id,
-        EventType.AGENT_ACTIVATED,
-        cmd.actor,
-        payload.model_dump(mode="json"),
-        causation_id=None,
+        cmd.agent,
+        cmd.via,
+        cmd.handoff_id,
+        announcement(
+            cmd.session_id, EventType.AGENT_ACTIVATED, cmd.actor, payload.model_dump(mode="json")
+        ),
     )
-    return ActivationReply(activation=activation, already_active=False, superseded=superseded)
+    return ActivationReply(
+        activation=activation, already_active=False, superseded=[h.id for h in pending]
+    )
 
 
 async def supersede(
     tx: HandoffTransaction,
-    handoff_id: UUID,
+    old: Handoff,
     motivo: Literal["agente_ativado", "nova_oferta"],
     by: UUID | None,
 ) -> None:
     """ADR 0182 decision 1: the row changes status; the event lands in the old offer's
     session (even a closed one), from the lifecycle itself. The `handoff.offered` event
     that announced it is never touched."""
-    old = await tx.handoff(handoff_id)
     assert_transition(old.id, Status(old.status), Status.SUPERSEDED)
-    await tx.set_status(old.id, Status.SUPERSEDED, superseded_by=by)
     payload = HandoffSuperseded(
         handoffId=old.id, toAgent=old.to_agent, motivo=motivo, substitutaId=by
     )
-    await tx.emit(
+    announce = announcement(
         old.session_id,
         EventType.HANDOFF_SUPERSEDED,
         LIFECYCLE_ACTOR,
         payload.model_dump(mode="json"),
     )
+    await tx.set_status(old.id, Status.SUPERSEDED, announce, superseded_by=by)
 
 
 def session_closed(session_id: UUID) -> DomainError:
@@ -206,19 +213,21 @@ async def _create(
     to_agent: str,
     artifact_id: UUID | None,
 ) -> Handoff:
-    created = await tx.insert_handoff(project_id, session_id, from_agent, to_agent, artifact_id)
+    handoff_id = uuid4()
     payload = HandoffOffered(
-        handoff_id=created.id, from_agent=from_agent, to_agent=to_agent, artifact_id=artifact_id
+        handoff_id=handoff_id, from_agent=from_agent, to_agent=to_agent, artifact_id=artifact_id
     )
     # The artifact is an event of the log: the offer is its consequence.
-    await tx.emit(
+    announce = announcement(
         session_id,
         EventType.HANDOFF_OFFERED,
         f"agent:{from_agent}",
         payload.model_dump(mode="json"),
         causation_id=artifact_id,
     )
-    return created
+    return await tx.insert_handoff(
+        handoff_id, project_id, session_id, from_agent, to_agent, artifact_id, announce
+    )
 
 
 async def _decide(
@@ -235,7 +244,9 @@ async def _decide(
             handoff_id=str(current.id),
         )
     assert_transition(current.id, Status(current.status), target)
-    updated = await tx.set_status(current.id, target)
     payload = HandoffTransition(handoff_id=current.id, to_agent=current.to_agent, reason=cmd.reason)
-    await tx.emit(current.session_id, event_type, cmd.actor, payload.model_dump(mode="json"))
-    return updated
+    return await tx.set_status(
+        current.id,
+        target,
+        announcement(current.session_id, event_type, cmd.actor, payload.model_dump(mode="json")),
+    )

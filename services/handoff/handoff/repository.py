@@ -14,9 +14,9 @@ from contracts.events import EventType
 from contracts.handoff import Activation, Handoff
 from contracts.session_events import AppendEvent
 from domain.errors import DomainError
-from domain.handoff import PendingOffer, Status
+from domain.handoff import Status
 from servicekit.db import Connection, returned
-from servicekit.outbox import enqueue_append
+from servicekit.outbox import append_args, queue_statement
 
 HANDOFF_COLUMNS = (
     "id, project_id, session_id, from_agent, to_agent, artifact_id, status, "
@@ -52,16 +52,17 @@ class HandoffTransaction:
             "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"session:{session_id}"
         )
 
-    async def pending(self, project_id: str, agent: str) -> list[PendingOffer]:
-        """The target's `offered` handoffs in the project, oldest first."""
+    async def pending(self, project_id: str, agent: str) -> list[Handoff]:
+        """The target's `offered` handoffs in the project, oldest first (whole rows, so a
+        decision never reads one again)."""
         rows = await self._conn.fetch(
-            """SELECT id, session_id, artifact_id FROM handoffs
-                WHERE project_id = $1 AND to_agent = $2 AND status = 'offered'
-                ORDER BY created_at, id""",
+            f"""SELECT {HANDOFF_COLUMNS} FROM handoffs
+                 WHERE project_id = $1 AND to_agent = $2 AND status = 'offered'
+                 ORDER BY created_at, id""",
             project_id,
             agent,
         )
-        return [PendingOffer(**dict(r)) for r in rows]
+        return [Handoff.model_validate(dict(r)) for r in rows]
 
     async def active(self, project_id: str, agent: str) -> Activation | None:
         """The agent's activation in an open session of the project, if any."""
@@ -114,50 +115,74 @@ class HandoffTransaction:
 
     async def insert_handoff(
         self,
+        handoff_id: UUID,
         project_id: str,
         session_id: UUID,
         from_agent: str,
         to_agent: str,
         artifact_id: UUID | None,
+        announce: AppendEvent,
     ) -> Handoff:
+        """Insert an offer and its event's outbox row: one round trip under the lock."""
         row = await self._conn.fetchrow(
-            f"""INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
-                                      artifact_id, status)
-                VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS}""",
-            uuid4(),
+            f"""WITH h AS (
+                    INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
+                                          artifact_id, status)
+                    VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS}),
+                {queue_statement(7, returning="h")}""",
+            handoff_id,
             project_id,
             session_id,
             from_agent,
             to_agent,
             artifact_id,
+            *append_args(announce),
         )
-        return Handoff.model_validate(returned(row))
+        return Handoff.model_validate(_fields(row))
 
     async def set_status(
-        self, handoff_id: UUID, status: Status, superseded_by: UUID | None = None
+        self,
+        handoff_id: UUID,
+        status: Status,
+        announce: AppendEvent,
+        superseded_by: UUID | None = None,
     ) -> Handoff:
+        """Change a handoff's status and record its event's outbox row, in one statement."""
         row = await self._conn.fetchrow(
-            f"""UPDATE handoffs SET status = $2, superseded_by = $3, updated_at = now()
-                 WHERE id = $1 RETURNING {HANDOFF_COLUMNS}""",
+            f"""WITH h AS (
+                    UPDATE handoffs SET status = $2, superseded_by = $3, updated_at = now()
+                     WHERE id = $1 RETURNING {HANDOFF_COLUMNS}),
+                {queue_statement(4, returning="h")}""",
             handoff_id,
             status.value,
             superseded_by,
+            *append_args(announce),
         )
-        return Handoff.model_validate(returned(row))
+        return Handoff.model_validate(_fields(row))
 
     async def insert_activation(
-        self, project_id: str, session_id: UUID, agent: str, via: str, handoff_id: UUID | None
+        self,
+        project_id: str,
+        session_id: UUID,
+        agent: str,
+        via: str,
+        handoff_id: UUID | None,
+        announce: AppendEvent,
     ) -> Activation:
+        """Record the activation and its `agent.activated` outbox row, in one statement."""
         row = await self._conn.fetchrow(
-            f"""INSERT INTO activations (project_id, session_id, agent, via, handoff_id)
-                VALUES ($1, $2, $3, $4, $5) RETURNING {ACTIVATION_COLUMNS}""",
+            f"""WITH a AS (
+                    INSERT INTO activations (project_id, session_id, agent, via, handoff_id)
+                    VALUES ($1, $2, $3, $4, $5) RETURNING {ACTIVATION_COLUMNS}),
+                {queue_statement(6, returning="a")}""",
             project_id,
             session_id,
             agent,
             via,
             handoff_id,
+            *append_args(announce),
         )
-        return Activation.model_validate(returned(row))
+        return Activation.model_validate(_fields(row))
 
     async def end_session(self, session_id: UUID) -> int:
         """Record the session's close and end its activations; return how many ended."""
@@ -171,26 +196,30 @@ class HandoffTransaction:
         )
         return int(status.split()[-1])
 
-    async def emit(
-        self,
-        session_id: UUID,
-        event_type: EventType,
-        actor: str,
-        payload: dict[str, Any],
-        causation_id: UUID | None = None,
-    ) -> None:
-        """Append an event to the session log once this transaction commits (outbox)."""
-        await enqueue_append(
-            self._conn,
-            AppendEvent(
-                session_id=session_id,
-                type=event_type.value,
-                actor=actor,
-                payload=payload,
-                causation_id=causation_id,
-                idempotency_key=f"handoff:{uuid4()}",
-            ),
-        )
+
+def announcement(
+    session_id: UUID,
+    event_type: EventType,
+    actor: str,
+    payload: dict[str, Any],
+    causation_id: UUID | None = None,
+) -> AppendEvent:
+    """An event for the session log, to be appended through the outbox exactly once."""
+    return AppendEvent(
+        session_id=session_id,
+        type=event_type.value,
+        actor=actor,
+        payload=payload,
+        causation_id=causation_id,
+        idempotency_key=f"handoff:{uuid4()}",
+    )
+
+
+def _fields(row: asyncpg.Record | None) -> dict[str, Any]:
+    """A `RETURNING` row read back through `queue_statement`, without its notify column."""
+    fields = returned(row)
+    fields.pop("pg_notify", None)
+    return fields
 
 
 class HandoffRepository:
