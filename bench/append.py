@@ -155,7 +155,11 @@ async def measure(args: argparse.Namespace, srv: Servers) -> tuple[list[Row], di
         size = ServiceSettings().db_pool_max
         pool = await asyncpg.create_pool(db_url, min_size=size, max_size=size)
         stack.push_async_callback(pool.close)
-        echoer = subprocess.Popen([sys.executable, __file__, "--echo", echo_subject], env=env)
+        # This script again, so its own folder (benchkit) must stay on the path.
+        script_env = {k: v for k, v in env.items() if k != "PYTHONSAFEPATH"}
+        echoer = subprocess.Popen(
+            [sys.executable, __file__, "--echo", echo_subject], env=script_env
+        )
         stack.callback(echoer.wait)
         stack.callback(echoer.terminate)
         services = await start_services(stack, nc, env, srv.state, [SERVICE] * args.replicas)
