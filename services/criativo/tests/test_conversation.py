@@ -11,7 +11,9 @@ import json
 from nats.aio.client import Client
 
 from contracts import subjects
-from contracts.events import EventType
+from contracts.events import Event, EventType
+from contracts.handoff import AcceptReply, HandoffDecision
+from servicekit.client import call
 from servicekit.testing import wait_for
 
 from .conftest import WORDS, Driver, StartCriativo
@@ -233,3 +235,37 @@ async def test_inputs_of_different_sessions_run_concurrently(bus: Driver) -> Non
     latest_start = max(start for start, _ in spans)
     earliest_end = min(end for _, end in spans)
     assert latest_start < earliest_end, "sessions waited for each other"
+
+
+async def test_a_brief_offered_while_po_is_active_is_refused_and_the_person_is_told(
+    bus: Driver,
+) -> None:
+    # PO becomes active in one session of the project ...
+    first = await bus.open()
+    await bus.outcome(first, await bus.say(first, "Um app para padarias"))
+    await bus.ready(first)
+
+    async def offered() -> list[Event]:
+        return await bus.events(first, "handoff.offered")
+
+    [offer] = await wait_for(offered, timeout=30, what="the first brief's offer")
+    await call(
+        bus.nc,
+        subjects.HANDOFFS_ACCEPT,
+        HandoffDecision(handoff_id=offer.payload["handoff_id"], session_id=first, actor="user:ana"),
+        AcceptReply,
+    )
+    # ... so the brief of another session cannot be offered to it (ADR 0182 decision 4).
+    second = await bus.open()
+    await bus.outcome(second, await bus.say(second, "Outra ideia: um app de feiras"))
+    await bus.ready(second)
+
+    async def told() -> list[Event]:
+        return await bus.events(second, "agent.error")
+
+    [error] = await wait_for(told, timeout=30, what="the person to be told")
+    assert error.payload["code"] == "agente_ja_ativo"
+    assert "'po' is already active" in error.payload["reason"]
+    assert len(await bus.events(second, "artifact.product_brief")) == 1  # the brief stays
+    assert await bus.events(second, "handoff.offered") == []
+    assert await bus.db.fetchval("SELECT count(*) FROM criativo.outbox") == 0
