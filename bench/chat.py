@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -39,7 +38,7 @@ import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from benchkit import latency_row
+from benchkit import latency_row, servers
 from contracts import subjects
 from contracts.handoff import ActivateAgent, ActivationReply
 from contracts.metering import TurnDelta
@@ -52,7 +51,6 @@ from contracts.session_events import (
     SessionOpenedReply,
 )
 from servicekit.client import call
-from servicekit.embedded import start_nats, start_postgres
 
 LEVELS = (1, 50, 200)
 PROJECT = "bench"
@@ -151,17 +149,8 @@ class Chat:
 
 async def run(tokens: int, delay_ms: float) -> None:
     delay_s = delay_ms / 1000
-    with contextlib.ExitStack() as stack:
-        nats_url, database_url = os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL")
-        state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-chat-")))
-        if not nats_url:
-            server = start_nats(state)
-            stack.callback(server.stop)
-            nats_url = server.url
-        if not database_url:
-            pg = start_postgres(state)
-            stack.callback(pg.stop)
-            database_url = pg.url
+    with servers("bench-chat-") as srv, contextlib.ExitStack() as stack:
+        nats_url, database_url, state = srv.nats_url, srv.admin_url, srv.state
         # Criativo's turns answer without tools, so one provider call is one turn.
         script = {"steps": [{"text": " ".join(f"w{i}" for i in range(tokens)),
                              "input_tokens": 100, "token_delay_ms": delay_ms}]}  # fmt: skip

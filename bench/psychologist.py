@@ -19,13 +19,12 @@ from pathlib import Path
 
 # `python bench/psychologist.py` puts bench/ first on the path, where this file and
 # bench/metering.py would shadow the `psychologist` and `metering` packages.
+import benchkit  # from this folder, before it leaves the path
+
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import asyncio
-import contextlib
-import os
 import statistics
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -57,7 +56,6 @@ from psychologist.repository import PsychologistRepository
 from psychologist.sessionlog import SessionLog
 from servicekit.client import call
 from servicekit.db import create_pool
-from servicekit.embedded import start_nats, start_postgres
 from servicekit.logs import configure_logging
 from servicekit.testing import running_service
 from session_events.app import LogSettings
@@ -122,17 +120,8 @@ async def baselines(nc: Any, pool: asyncpg.Pool) -> tuple[float, float]:
 
 async def run() -> None:
     configure_logging("bench", "WARNING", "console")
-    with contextlib.ExitStack() as stack:
-        nats_url, database_url = os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL")
-        state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-psy-")))
-        if not nats_url:
-            server = start_nats(state)
-            stack.callback(server.stop)
-            nats_url = server.url
-        if not database_url:
-            pg = start_postgres(state)
-            stack.callback(pg.stop)
-            database_url = pg.url
+    with benchkit.servers("bench-psy-") as srv:
+        nats_url, database_url = srv.nats_url, srv.admin_url
         nc = await nats.connect(nats_url)
         fast = {"nats_url": nats_url, "database_url": database_url, "outbox_poll_seconds": 0.2}
         provider = ScriptedProvider(DEFAULT_SCRIPT.model_copy(update={"token_delay_ms": 0.0}))
