@@ -33,8 +33,10 @@ import pytest_asyncio
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError, ServerError
 
-from contracts import streams
+from contracts import streams, subjects
+from contracts.session_events import EventsReply, ListEvents
 from servicekit.bus import provision_streams
+from servicekit.client import call
 
 
 @dataclass
@@ -285,3 +287,17 @@ async def _answers_ping(nc: Client, service: str, task: asyncio.Task[None]) -> b
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return False
     return True
+
+
+async def log_events(nc: Client, session_id: uuid.UUID, prefix: str = "") -> list[Any]:
+    """A session's events from the log (`cmd.events.list`), optionally of one type prefix."""
+    reply = await call(nc, subjects.EVENTS_LIST, ListEvents(session_id=session_id), EventsReply)
+    return [e for e in reply.events if e.type.value.startswith(prefix)]
+
+
+async def outbox_drained(db: Any, schema: str) -> None:
+    """Wait until every row a service committed to its outbox (`<schema>.outbox`) left it."""
+    await wait_for(
+        lambda: db.fetchval(f'SELECT count(*) = 0 FROM "{schema}".outbox'),
+        what=f"the {schema} outbox to drain",
+    )

@@ -23,8 +23,6 @@ from contracts.metering import TurnDelta
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
-    EventsReply,
-    ListEvents,
     OpenSession,
     SessionOpenedReply,
 )
@@ -42,7 +40,7 @@ from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCa
 from metering.testing import Metering, Starter
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
-from servicekit.testing import running_service, wait_for
+from servicekit.testing import log_events, running_service, wait_for
 from session_events.app import LogSettings
 from session_events.app import main as log_main
 
@@ -161,10 +159,7 @@ class Driver:
         return await self.append(session_id, "criativo.readiness_confirmed")
 
     async def events(self, session_id: uuid.UUID, prefix: str = "") -> list[Event]:
-        reply = await call(
-            self.nc, subjects.EVENTS_LIST, ListEvents(session_id=session_id), EventsReply
-        )
-        return [e for e in reply.events if e.type.value.startswith(prefix)]
+        return await log_events(self.nc, session_id, prefix)
 
     async def outcome(self, session_id: uuid.UUID, message_id: uuid.UUID) -> Event:
         """The `agent.response` or `agent.error` caused by the message, once it exists."""

@@ -18,8 +18,6 @@ from contracts.session_events import (
     AppendedReply,
     AppendEvent,
     CloseSession,
-    EventsReply,
-    ListEvents,
     OpenSession,
     SessionClosedReply,
     SessionOpenedReply,
@@ -27,7 +25,7 @@ from contracts.session_events import (
 from handoff.app import main as handoff_main
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
-from servicekit.testing import running_service, wait_for
+from servicekit.testing import log_events, outbox_drained, running_service
 from session_events.app import LogSettings
 from session_events.app import main as log_main
 
@@ -92,18 +90,12 @@ class Driver:
 
     async def settled(self) -> None:
         """Wait until every event the handoff service committed reached the log."""
-        await wait_for(
-            lambda: self.db.fetchval("SELECT count(*) = 0 FROM handoff.outbox"),
-            what="the handoff outbox to drain",
-        )
+        await outbox_drained(self.db, "handoff")
 
     async def events(self, session_id: uuid.UUID, prefix: str = "") -> list[Event]:
         """The session's events (after the outbox drained), optionally of one type prefix."""
         await self.settled()
-        reply = await call(
-            self.nc, subjects.EVENTS_LIST, ListEvents(session_id=session_id), EventsReply
-        )
-        return [e for e in reply.events if e.type.value.startswith(prefix)]
+        return await log_events(self.nc, session_id, prefix)
 
     async def rows(self, to: str = "po") -> list[asyncpg.Record]:
         return await self.db.fetch(

@@ -40,7 +40,7 @@ from metering.testing import Metering, Starter
 from psychologist.app import PsychologistSettings
 from psychologist.app import main as psychologist_main
 from servicekit.client import call
-from servicekit.testing import running_service, wait_for
+from servicekit.testing import log_events, outbox_drained, running_service, wait_for
 from session_events.app import LogSettings
 from session_events.app import main as log_main
 
@@ -115,18 +115,12 @@ class Driver:
         )
 
     async def settled(self) -> None:
-        """Wait until every event the psychologist committed reached the log."""
-        await wait_for(
-            lambda: self.db.fetchval("SELECT count(*) = 0 FROM psychologist.outbox"),
-            what="the psychologist outbox to drain",
-        )
+        """Wait until every event the psychologist service committed reached the log."""
+        await outbox_drained(self.db, "psychologist")
 
     async def events(self, session_id: uuid.UUID, prefix: str = "") -> list[Event]:
         await self.settled()
-        reply = await call(
-            self.nc, subjects.EVENTS_LIST, ListEvents(session_id=session_id), EventsReply
-        )
-        return [e for e in reply.events if e.type.value.startswith(prefix)]
+        return await log_events(self.nc, session_id, prefix)
 
     async def outcome(self, session_id: uuid.UUID, count: int = 1, timeout: float = 30) -> Event:
         """The `count`-th analysis outcome event of the session, once it is in the log."""
