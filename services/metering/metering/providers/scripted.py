@@ -25,6 +25,8 @@ from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, T
 from metering.providers.base import OnText, Progress, ProviderError, ProviderReply, ProviderRequest
 
 UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# Criativo shows each message as `[message <id>]` before its text (domain.criativo).
+MESSAGE_TAG = re.compile(r"\[message [0-9a-f-]{36}\]")
 WORD = re.compile(r"\S+\s*|\s+")
 
 
@@ -143,24 +145,29 @@ def _psychologist_hypotheses(request: ProviderRequest, n: int) -> tuple[str, lis
     return "I read the whole session; here is what its events support.", [call]
 
 
+def _words(text: str) -> str:
+    """The person's words without the `[message <id>]` tags Criativo puts before them."""
+    return " ".join(MESSAGE_TAG.sub(" ", text).split())
+
+
 def _criativo_rule(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
     said = _text_of(request.messages[-1])
     ids = UUID_PATTERN.findall(said)
-    words = said.split()
+    words = _words(said).split()
     reply = f"Entendi. Você quer: {' '.join(words[:12])}. Quem vai usar isso no dia a dia?"
     if not ids:
         return reply, []
     rule = {
         "type": "business_rule",
         "title": " ".join(words[:6]) or "Regra",
-        "statement": said.strip()[:500] or "Regra dita pela pessoa.",
+        "statement": _words(said)[:500] or "Regra dita pela pessoa.",
         "origin": [ids[-1]],
     }
     return reply, [ToolUseBlock(id=f"toolu_scripted_{n}", name="emit_artifact", input=rule)]
 
 
 def _criativo_brief(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
-    said = " ".join(_text_of(m) for m in request.messages if m.role == "user")
+    said = _words(" ".join(_text_of(m) for m in request.messages if m.role == "user"))
     brief = {
         "title": "Product brief",
         "summary": " ".join(said.split()[:40]) or "What the person described.",
@@ -170,7 +177,7 @@ def _criativo_brief(request: ProviderRequest, n: int) -> tuple[str, list[ToolUse
 
 
 def _echo(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
-    said = " ".join(_text_of(request.messages[-1]).split()[:20])
+    said = " ".join(_words(_text_of(request.messages[-1])).split()[:20])
     return f"Entendi: «{said}». Conte-me mais sobre isso.", []
 
 
