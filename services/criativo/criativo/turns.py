@@ -221,12 +221,7 @@ class Turns:
             )
         except CommandFailed as exc:
             raise TurnFailed(exc.code, exc.message, [turn_id]) from None
-        outcome = TurnOutcome(
-            text="".join(b.text for b in reply.content if isinstance(b, TextBlock)),
-            turn_ids=[turn_id],
-        )
-        outcome.add(reply)
-        return outcome
+        return _one_turn(reply, turn_id)
 
     async def consolidate(
         self, conv: Conversation, readiness_id: UUID, attempt: int
@@ -257,9 +252,14 @@ class Turns:
             )
         except CommandFailed as exc:
             raise TurnFailed(exc.code, exc.message, [turn_id]) from None
-        outcome = TurnOutcome(
-            text="".join(b.text for b in reply.content if isinstance(b, TextBlock)),
-            turn_ids=[turn_id],
-        )
-        outcome.add(reply)
-        return outcome
+        return _one_turn(reply, turn_id)
+
+
+def _one_turn(reply: TurnReply, turn_id: str) -> TurnOutcome:
+    """The outcome of a turn made of a single model call."""
+    outcome = TurnOutcome(
+        text="".join(b.text for b in reply.content if isinstance(b, TextBlock)),
+        turn_ids=[turn_id],
+    )
+    outcome.add(reply)
+    return outcome
