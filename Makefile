@@ -6,7 +6,7 @@ UV := .tools/bin/uv
 RUN := $(UV) run --frozen
 
 .DEFAULT_GOAL := help
-.PHONY: help setup up down test lint format bench asyncapi clean
+.PHONY: help setup up down test lint format bench asyncapi clean chromium
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -24,7 +24,16 @@ up: setup ## start NATS, Postgres and every service; Ctrl-C stops them all
 down: setup ## stop a stack started by `make up`
 	$(RUN) agentbus down
 
-test: setup ## run every test against real NATS and Postgres (embedded unless URLs are set)
+chromium: ## Debian's chromium for the browser test (apt-get, only when it is missing)
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if command -v apt-get >/dev/null; then \
+			SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO="sudo"; \
+			$$SUDO apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
+		else echo "the browser test needs Chromium at /usr/bin/chromium"; fi; \
+	fi
+
+test: setup chromium ## run every test against real NATS and Postgres (embedded unless URLs are set)
 	$(RUN) pytest
 
 lint: setup ## ruff (lint + format check) and mypy --strict

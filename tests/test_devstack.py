@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -30,7 +32,16 @@ def stack_env(tmp_path: Path) -> dict[str, str]:
     # No provider key: tests never reach the internet, and metering runs its offline script.
     unset = ("NATS_URL", "DATABASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    return {**env, "AGENTBUS_STATE_DIR": str(tmp_path / "state"), "AGENTBUS_LOG_FORMAT": "json"}
+    # The gateway's fixed dev port may be taken on a shared machine: use a free one.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {
+        **env,
+        "AGENTBUS_STATE_DIR": str(tmp_path / "state"),
+        "AGENTBUS_LOG_FORMAT": "json",
+        "AGENTBUS_GATEWAY_PORT": str(port),
+    }
 
 
 async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everything(
@@ -101,6 +112,17 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         assert answered.returncode == 0, answered.stdout
         assert "hello metering" in json.loads(answered.stdout)["content"][0]["text"]
         assert "provider_scripted" in (tmp_path / "up.log").read_text()
+        # the web client's link, with a token for the demo project, answers
+        port = stack_env["AGENTBUS_GATEWAY_PORT"]
+        [link] = [
+            line.strip()
+            for line in (tmp_path / "up.log").read_text().splitlines()
+            if line.strip().startswith(f"http://127.0.0.1:{port}/?token=")
+        ]
+        token = link.split("token=", 1)[1]
+        async with httpx.AsyncClient(timeout=10) as http:
+            me = await http.get(f"http://127.0.0.1:{port}/api/projects/demo?token={token}")
+        assert me.status_code == 200 and me.json()["offline_model"] is True
 
         children = psutil.Process(up.pid).children()
         [service] = [c for c in children if "session_events" in c.cmdline()]

@@ -74,6 +74,11 @@ class ErrorCode(StrEnum):
     UNKNOWN_ARTIFACT_TYPE = "unknown_artifact_type"
     INVALID_ARTIFACT = "invalid_artifact"
     ORIGIN_NOT_IN_CONVERSATION = "origin_not_in_conversation"
+    # gateway
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    RATE_LIMITED = "rate_limited"
+    NOT_JOINED = "not_joined"
 
 
 class ErrorBody(Message):

@@ -4,6 +4,7 @@ agentbus up                       start servers and services (what `make up` run
 agentbus down                     stop them
 agentbus call SUBJECT [JSON]      send a command, print the reply
 agentbus services                 list the services answering on the bus
+agentbus token PROJECT [--user U] a signed token (and link) for the web gateway
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the instance to wait for (default: $AGENTBUS_INSTANCE_ID, else any)",
     )
     ping.add_argument("--timeout", type=float, default=3.0)
+    token = sub.add_parser("token", help="mint a web gateway token for one project")
+    token.add_argument("project")
+    token.add_argument("--user", default="dev")
     args = parser.parse_args(argv)
 
     if args.command == "up":
@@ -118,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "call":
         return asyncio.run(_call(args.subject, args.json, args.timeout))
+    if args.command == "token":
+        # Imported here: the gateway is a service built on servicekit, not part of it.
+        from gateway.auth import dev_link
+
+        print(dev_link(args.project, args.user))
+        return 0
     if args.command == "ping":
         return asyncio.run(_ping(args.service, args.instance, args.timeout))
     return asyncio.run(_services())

@@ -45,6 +45,7 @@ SERVICES = [
     ServiceSpec("metering", "metering"),
     ServiceSpec("psychologist", "psychologist"),
     ServiceSpec("criativo", "criativo"),
+    ServiceSpec("gateway", "gateway"),
 ]
 
 RESTART_MAX_DELAY = 30.0
@@ -199,7 +200,7 @@ async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
             "try, from another terminal:\n"
             "  .tools/bin/uv run agentbus call cmd.sessions.open "
             '\'{"project_id": "demo", "opened_by": "user:me"}\'\n'
-            "Ctrl-C or `make down` stops everything.\n",
+            "Ctrl-C or `make down` stops everything.\n" + _web_link(specs),
             flush=True,
         )
         await stop.wait()
@@ -217,6 +218,16 @@ async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
         with contextlib.suppress(OSError):
             stack_file().unlink()
         log.info("stack_stopped")
+
+
+def _web_link(specs: list[ServiceSpec]) -> str:
+    """The web client's link for the local `demo` project, when the gateway runs."""
+    if not any(spec.name == "gateway" for spec in specs):
+        return ""
+    # Imported here: the gateway is a service built on servicekit, not part of it.
+    from gateway.auth import dev_link
+
+    return f"open the web client (project demo):\n  {dev_link('demo')}\n"
 
 
 def _embedded(server: object) -> str:

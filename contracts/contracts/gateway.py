@@ -1,0 +1,171 @@
+"""Frames of the gateway's WebSocket: what the web client sends and what it is sent.
+
+Every frame is a JSON object with a `type`. A client frame may carry a `ref` (any
+short string); the `ack` or `error` that answers it echoes it, so a client can match
+answers to requests. Server frames are plain dicts built from these models.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+from pydantic import Field, StringConstraints
+
+from contracts.common import AgentSlug, Message
+from contracts.events import Event, Utterance
+
+Ref = Annotated[str, StringConstraints(min_length=1, max_length=100)] | None
+
+
+class Join(Message):
+    """Follow a session: its events after `after_seq` from the log, then live."""
+
+    type: Literal["join"]
+    session_id: UUID
+    after_seq: int = Field(default=0, ge=0)
+    ref: Ref = None
+
+
+class Chat(Message):
+    """Say something in the joined session (`client_msg_id` makes a resend harmless)."""
+
+    type: Literal["chat"]
+    text: Utterance
+    client_msg_id: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    ref: Ref = None
+
+
+class StartAgent(Message):
+    """Start an agent the person may start (Criativo, ADR 0008 decision 4)."""
+
+    type: Literal["start_agent"]
+    agent: AgentSlug
+    ref: Ref = None
+
+
+class ConfirmReadiness(Message):
+    """The person clicked "I'm ready to produce"."""
+
+    type: Literal["confirm_readiness"]
+    ref: Ref = None
+
+
+class AcceptHandoff(Message):
+    """Accept an offered handoff of the joined session."""
+
+    type: Literal["accept_handoff"]
+    handoff_id: UUID
+    ref: Ref = None
+
+
+class RejectHandoff(Message):
+    """Reject an offered handoff of the joined session."""
+
+    type: Literal["reject_handoff"]
+    handoff_id: UUID
+    ref: Ref = None
+
+
+class CloseSessionFrame(Message):
+    """End the joined session normally."""
+
+    type: Literal["close_session"]
+    ref: Ref = None
+
+
+class Heartbeat(Message):
+    """The client is still there (the gateway also beats on its own while connected)."""
+
+    type: Literal["heartbeat"]
+    ref: Ref = None
+
+
+ClientFrame = Annotated[
+    Join
+    | Chat
+    | StartAgent
+    | ConfirmReadiness
+    | AcceptHandoff
+    | RejectHandoff
+    | CloseSessionFrame
+    | Heartbeat,
+    Field(discriminator="type"),
+]
+
+
+class EventFrame(Message):
+    """A persisted event of the joined session; sent in `seq` order, each once."""
+
+    type: Literal["event"] = "event"
+    event: Event
+
+
+class DeltaFrame(Message):
+    """A piece of an agent's reply as it streams; `message_id` is what it answers."""
+
+    type: Literal["delta"] = "delta"
+    message_id: UUID | None
+    turn_id: str
+    seq: int
+    text: str
+
+
+class DoneFrame(Message):
+    """An agent's turn ended: its response event, or the error code of why there is none."""
+
+    type: Literal["done"] = "done"
+    message_id: UUID
+    agent: AgentSlug
+    turn_ids: list[str]
+    response_id: UUID | None = None
+    error_code: str | None = None
+
+
+class AckFrame(Message):
+    """A client frame was carried out; `result` is what the service answered."""
+
+    type: Literal["ack"] = "ack"
+    of: str
+    ref: str | None = None
+    client_msg_id: str | None = None
+    result: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorFrame(Message):
+    """A client frame was refused; the connection stays usable."""
+
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    ref: str | None = None
+
+
+# --- HTTP API ---------------------------------------------------------------
+
+
+class ClientConfig(Message):
+    """`GET /api/projects/{project}`: who the token speaks for, and how the model runs."""
+
+    project_id: str
+    user: str
+    # metering answers from its offline script: the page shows an "offline model" notice
+    offline_model: bool
+
+
+class SessionSummary(Message):
+    """A session of the project as the sessions list shows it."""
+
+    session_id: UUID
+    opened_by: str
+    opened_at: datetime
+    status: Literal["open", "closed", "closed_abnormally"]
+    closed_at: datetime | None = None
+    reason: str | None = None
+
+
+class SessionsReply(Message):
+    """The project's sessions, newest first."""
+
+    sessions: list[SessionSummary]

@@ -1,0 +1,3 @@
+from gateway.app import run
+
+run()

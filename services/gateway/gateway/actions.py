@@ -1,0 +1,130 @@
+"""What each client frame does: one command each, in the joined session, as the person.
+
+Thin on purpose: the rules (who may start which agent, what a closed session accepts,
+the brief's causation) live in the services that own them; the gateway only says who
+is asking and in which session.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from contracts import subjects
+from contracts.gateway import (
+    AcceptHandoff,
+    Chat,
+    CloseSessionFrame,
+    ConfirmReadiness,
+    Heartbeat,
+    RejectHandoff,
+    StartAgent,
+)
+from contracts.handoff import (
+    AcceptReply,
+    ActivateAgent,
+    ActivationReply,
+    HandoffDecision,
+    HandoffReply,
+)
+from contracts.session_events import (
+    AppendedReply,
+    AppendEvent,
+    CloseSession,
+    HeartbeatReply,
+    SessionClosedReply,
+    SessionRef,
+)
+from gateway.auth import Principal
+from gateway.bus import Commands
+
+
+class SessionActions:
+    """The frames that act on the joined session, for one principal."""
+
+    def __init__(self, commands: Commands, principal: Principal, session_id: uuid.UUID) -> None:
+        self._c = commands
+        self._p = principal
+        self._s = session_id
+
+    def handler(self, frame: BaseModel) -> Callable[[], Awaitable[BaseModel]]:
+        """The coroutine function that carries `frame` out."""
+        table: dict[type[BaseModel], Callable[[Any], Awaitable[BaseModel]]] = {
+            Chat: self.chat,
+            StartAgent: self.start_agent,
+            ConfirmReadiness: self.confirm_readiness,
+            AcceptHandoff: self.accept_handoff,
+            RejectHandoff: self.reject_handoff,
+            CloseSessionFrame: self.close,
+            Heartbeat: self.heartbeat,
+        }
+        act = table[type(frame)]
+        return lambda: act(frame)
+
+    async def chat(self, frame: Chat) -> AppendedReply:
+        return await self._c(
+            subjects.EVENTS_APPEND,
+            AppendEvent(
+                session_id=self._s,
+                type="chat.message",
+                actor=self._p.actor,
+                payload={"text": frame.text, "client_msg_id": frame.client_msg_id},
+                # a resend after a reconnect appends nothing new
+                idempotency_key=f"gateway-chat:{self._s}:{frame.client_msg_id}",
+            ),
+            AppendedReply,
+        )
+
+    async def start_agent(self, frame: StartAgent) -> ActivationReply:
+        return await self._c(
+            subjects.AGENTS_ACTIVATE,
+            ActivateAgent(
+                project_id=self._p.project_id,
+                session_id=self._s,
+                agent=frame.agent,
+                via="user",
+                actor=self._p.actor,
+            ),
+            ActivationReply,
+        )
+
+    async def confirm_readiness(self, _: ConfirmReadiness) -> AppendedReply:
+        return await self._c(
+            subjects.EVENTS_APPEND,
+            AppendEvent(
+                session_id=self._s,
+                type="criativo.readiness_confirmed",
+                actor=self._p.actor,
+                payload={},
+            ),
+            AppendedReply,
+        )
+
+    async def accept_handoff(self, frame: AcceptHandoff) -> AcceptReply:
+        return await self._c(
+            subjects.HANDOFFS_ACCEPT,
+            HandoffDecision(handoff_id=frame.handoff_id, session_id=self._s, actor=self._p.actor),
+            AcceptReply,
+        )
+
+    async def reject_handoff(self, frame: RejectHandoff) -> HandoffReply:
+        return await self._c(
+            subjects.HANDOFFS_REJECT,
+            HandoffDecision(handoff_id=frame.handoff_id, session_id=self._s, actor=self._p.actor),
+            HandoffReply,
+        )
+
+    async def close(self, _: CloseSessionFrame) -> SessionClosedReply:
+        return await self._c(
+            subjects.SESSIONS_CLOSE,
+            CloseSession(session_id=self._s, closed_by=self._p.actor),
+            SessionClosedReply,
+        )
+
+    async def heartbeat(self, _: Heartbeat) -> HeartbeatReply:
+        return await self._c(
+            subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=self._s), HeartbeatReply
+        )

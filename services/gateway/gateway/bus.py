@@ -1,0 +1,35 @@
+"""The gateway's door to the other services: commands with the gateway's timeout."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import nats.errors
+from nats.aio.client import Client
+from pydantic import BaseModel
+
+from contracts.common import ErrorCode
+from domain.errors import DomainError
+from servicekit.client import CommandFailed, call
+
+Rep = TypeVar("Rep", bound=BaseModel)
+
+
+class Commands:
+    """Sends a command and turns a refusal or a silent service into a `DomainError`."""
+
+    def __init__(self, nc: Client, timeout: float) -> None:
+        self.nc = nc
+        self._timeout = timeout
+
+    async def __call__(
+        self, subject: str, request: BaseModel, reply: type[Rep], timeout: float | None = None
+    ) -> Rep:
+        try:
+            return await call(self.nc, subject, request, reply, timeout or self._timeout)
+        except CommandFailed as exc:
+            raise DomainError(exc.code, exc.message, **exc.details) from None
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise DomainError(
+                ErrorCode.UNAVAILABLE, f"{subject} did not answer ({type(exc).__name__}); retry"
+            ) from None

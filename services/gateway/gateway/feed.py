@@ -1,0 +1,200 @@
+"""A session's feed for one connection: the log's events after a `seq`, then live, each
+event exactly once and in `seq` order, plus the deltas of the turn in flight.
+
+The seam between replay and live is closed by subscribing *before* reading the log:
+anything committed after the read is published after the subscription started, and
+anything both read and received is dropped by `seq`. A live event whose `seq` jumps
+ahead (a message the subscription missed, or a relay publishing late) makes the feed
+read the missing ones from the log first, so a gap never reaches the client.
+
+Deltas live in the short-lived DELTAS stream: on join, the deltas of every turn not yet
+closed by an `agent.done` are replayed from it, then live ones follow, deduplicated by
+(turn, seq).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from contracts import streams, subjects
+from contracts.criativo import AgentDone
+from contracts.events import Event
+from contracts.gateway import DeltaFrame, DoneFrame, EventFrame
+from contracts.metering import TurnDelta
+from contracts.session_events import EventsReply, ListEvents
+from gateway.bus import Commands
+from servicekit.logs import get_logger
+
+log = get_logger(__name__)
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+PAGE = 500
+DELTA_PREFIX = "agent.delta."
+DONE_PREFIX = "agent.done."
+
+
+def message_of(turn_id: str) -> uuid.UUID | None:
+    """The message a turn answers: Criativo names its turns `<agent>.<message_id>.…`."""
+    parts = turn_id.split(".")
+    if len(parts) < 2:
+        return None
+    try:
+        return uuid.UUID(parts[1])
+    except ValueError:
+        return None
+
+
+def session_filter(project_id: str, session_id: uuid.UUID) -> str:
+    """Every event type, delta and done of one session (all are `<a>.<b>.<project>.<session>`)."""
+    return f"*.*.{project_id}.{session_id}"
+
+
+class SessionFeed:
+    """Follows one session for one connection until `close()`."""
+
+    def __init__(
+        self, commands: Commands, project_id: str, session_id: uuid.UUID, send: Send
+    ) -> None:
+        self._commands = commands
+        self._project = project_id
+        self.session_id = session_id
+        self._send = send
+        self._inbox: asyncio.Queue[Msg] = asyncio.Queue()
+        self._sub: Subscription | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self.last_seq = 0
+        # (turn, seq) already sent, per open turn; forgotten when the turn is done.
+        self._sent_deltas: dict[str, set[int]] = {}
+        self._closed_turns: set[str] = set()
+
+    async def start(self, after_seq: int) -> None:
+        """Subscribe, replay the log after `after_seq` and the open turns' deltas, go live."""
+        nc = self._commands.nc
+
+        async def enqueue(msg: Msg) -> None:
+            self._inbox.put_nowait(msg)
+
+        self._sub = await nc.subscribe(session_filter(self._project, self.session_id), cb=enqueue)
+        await nc.flush()  # the server knows the subscription before the log is read
+        self.last_seq = after_seq
+        pending_deltas = await self._open_turn_deltas()
+        await self._catch_up()
+        for frame in pending_deltas:
+            await self._send_delta(frame)
+        self._pump = asyncio.create_task(self._run(), name=f"feed-{self.session_id}")
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+
+    async def _catch_up(self, until_seq: int | None = None) -> None:
+        """Send the log's events after `last_seq` (up to `until_seq`), page by page."""
+        while until_seq is None or self.last_seq < until_seq:
+            reply = await self._commands(
+                subjects.EVENTS_LIST,
+                ListEvents(session_id=self.session_id, after_seq=self.last_seq, limit=PAGE),
+                EventsReply,
+            )
+            for event in reply.events:
+                await self._send_event(event)
+            if len(reply.events) < PAGE:
+                return
+
+    async def _send_event(self, event: Event) -> None:
+        if event.seq <= self.last_seq:
+            return  # already sent (read from the log and received live)
+        self.last_seq = event.seq
+        await self._send(EventFrame(event=event).model_dump(mode="json"))
+
+    async def _send_delta(self, delta: TurnDelta) -> None:
+        if delta.turn_id in self._closed_turns:
+            return
+        seen = self._sent_deltas.setdefault(delta.turn_id, set())
+        if delta.seq in seen:
+            return
+        seen.add(delta.seq)
+        frame = DeltaFrame(
+            message_id=message_of(delta.turn_id),
+            turn_id=delta.turn_id,
+            seq=delta.seq,
+            text=delta.text,
+        )
+        await self._send(frame.model_dump(mode="json"))
+
+    async def _open_turn_deltas(self) -> list[TurnDelta]:
+        """Deltas of the turns in flight, from the DELTAS stream (a reconnect mid-turn)."""
+        js = self._commands.nc.jetstream()
+        flt = f"agent.*.{self._project}.{self.session_id}"
+        info = await js.stream_info(streams.DELTAS.name, subjects_filter=flt)
+        total = sum((info.state.subjects or {}).values())
+        if total == 0:
+            return []
+        sub = await js.pull_subscribe(
+            flt,
+            stream=streams.DELTAS.name,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.ALL,
+                inactive_threshold=30.0,
+            ),
+        )
+        deltas: list[TurnDelta] = []
+        try:
+            got = 0
+            while got < total:
+                batch = await sub.fetch(total - got, timeout=5)
+                got += len(batch)
+                for msg in batch:
+                    if msg.subject.startswith(DONE_PREFIX):
+                        done = AgentDone.model_validate_json(msg.data)
+                        self._closed_turns.update(done.turn_ids)
+                    else:
+                        deltas.append(TurnDelta.model_validate_json(msg.data))
+        finally:
+            await sub.unsubscribe()
+        return [d for d in deltas if d.turn_id not in self._closed_turns]
+
+    async def _run(self) -> None:
+        while True:
+            msg = await self._inbox.get()
+            try:
+                await self._deliver(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one bad message must not end the feed
+                log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
+
+    async def _deliver(self, msg: Msg) -> None:
+        if msg.subject.startswith(DELTA_PREFIX):
+            await self._send_delta(TurnDelta.model_validate_json(msg.data))
+            return
+        if msg.subject.startswith(DONE_PREFIX):
+            done = AgentDone.model_validate_json(msg.data)
+            for turn_id in done.turn_ids:
+                self._sent_deltas.pop(turn_id, None)
+            frame = DoneFrame(
+                message_id=done.causation_id,
+                agent=done.agent,
+                turn_ids=done.turn_ids,
+                response_id=done.response_id,
+                error_code=done.error_code,
+            )
+            await self._send(frame.model_dump(mode="json"))
+            return
+        event = Event.model_validate_json(msg.data)
+        if event.seq > self.last_seq + 1:
+            await self._catch_up(until_seq=event.seq - 1)
+        await self._send_event(event)

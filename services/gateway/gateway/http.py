@@ -1,0 +1,287 @@
+"""The HTTP JSON API: `/api/projects/{project}/…`, each route one command.
+
+Every route needs a token for the project in its path (`Authorization: Bearer …` or
+`?token=…`). A refusal keeps the service's code and gets the HTTP status a client
+expects (`STATUS`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from contracts import subjects
+from contracts.common import ErrorBody, ErrorCode, ErrorReply
+from contracts.events import EventType
+from contracts.gateway import ClientConfig
+from contracts.handoff import HandoffsReply, ListHandoffs
+from contracts.metering import (
+    BindingSetReply,
+    BindingsReply,
+    ListBindings,
+    SetBinding,
+    UsageSummaryReply,
+    UsageSummaryRequest,
+)
+from contracts.psychologist import (
+    AnalysisOutcome,
+    HypothesesReply,
+    HypothesisDecision,
+    HypothesisReply,
+    ListHypotheses,
+    Reanalyze,
+)
+from contracts.session_events import (
+    EventsReply,
+    ListEvents,
+    OpenSession,
+    QueryEvents,
+    SessionOpenedReply,
+)
+from domain.errors import DomainError
+from gateway.access import own_session
+from gateway.auth import Principal, require_project, verify
+from gateway.settings import offline_model
+from gateway.views import sessions_of
+from gateway.ws import Hub
+
+NOT_FOUND = {
+    ErrorCode.SESSION_NOT_FOUND,
+    ErrorCode.HANDOFF_NOT_FOUND,
+    ErrorCode.HYPOTHESIS_NOT_FOUND,
+    ErrorCode.ARTIFACT_NOT_FOUND,
+    ErrorCode.UNKNOWN_AGENT,
+    ErrorCode.UNKNOWN_MODEL,
+    ErrorCode.NO_BINDING,
+}
+CONFLICT = {
+    ErrorCode.AGENTE_JA_ATIVO,
+    ErrorCode.INVALID_TRANSITION,
+    ErrorCode.SESSION_CLOSED,
+    ErrorCode.SESSION_NOT_CLOSED,
+    ErrorCode.IDEMPOTENCY_CONFLICT,
+    ErrorCode.TURN_IN_PROGRESS,
+}
+UNPROCESSABLE = {
+    ErrorCode.MALFORMED_JSON,
+    ErrorCode.INVALID_REQUEST,
+    ErrorCode.INVALID_PAYLOAD,
+    ErrorCode.INVALID_BINDING,
+    ErrorCode.UNKNOWN_EVENT_TYPE,
+}
+FIXED = {
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.ACTOR_NOT_ALLOWED: 403,
+    ErrorCode.ACTIVATION_REFUSED: 403,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAVAILABLE: 503,
+}
+
+
+def status_of(code: str) -> int:
+    """The HTTP status of a service's error code."""
+    if code in FIXED:
+        return FIXED[ErrorCode(code)]
+    if code in NOT_FOUND:
+        return 404
+    if code in CONFLICT:
+        return 409
+    if code in UNPROCESSABLE:
+        return 422
+    return 400
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.query_params.get("token")
+
+
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[Request, Principal], Awaitable[BaseModel]]
+
+
+def guarded(
+    hub: Hub, handler: Handler, status: int = 200
+) -> Callable[[Request], Awaitable[Response]]:
+    """Authenticate, check the project, run `handler`, turn a refusal into its status."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            principal = verify(hub.secret, _token(request))
+            require_project(principal, request.path_params["project"])
+            return _json(await handler(request, principal), status)
+        except DomainError as exc:
+            body = ErrorReply(
+                error=ErrorBody(code=exc.code, message=exc.message, details=exc.details)
+            )
+            return _json(body, status_of(exc.code))
+
+    return endpoint
+
+
+def _uuid(request: Request, name: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(request.path_params[name])
+    except ValueError:
+        raise DomainError(ErrorCode.INVALID_REQUEST, f"{name} is not a uuid") from None
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise DomainError(ErrorCode.MALFORMED_JSON, f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise DomainError(ErrorCode.INVALID_REQUEST, "body must be a JSON object")
+    return body
+
+
+def _parse(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+            for e in exc.errors(include_url=False, include_input=False)
+        )
+        raise DomainError(ErrorCode.INVALID_REQUEST, f"invalid request: {problems}") from None
+
+
+SESSION_TYPES = [
+    EventType.SESSION_OPENED.value,
+    EventType.SESSION_CLOSED.value,
+    EventType.SESSION_CLOSED_ABNORMALLY.value,
+]
+
+
+def routes(hub: Hub) -> list[Route]:
+    """The API's routes, each a few lines over one command."""
+    c = hub.commands
+
+    async def whoami(_: Request, p: Principal) -> BaseModel:
+        return ClientConfig(
+            project_id=p.project_id, user=p.user, offline_model=offline_model(hub.settings)
+        )
+
+    async def list_sessions(_: Request, p: Principal) -> BaseModel:
+        reply = await c(
+            subjects.EVENTS_QUERY,
+            QueryEvents(project_id=p.project_id, types=SESSION_TYPES, limit=5000),
+            EventsReply,
+        )
+        return sessions_of(reply.events)
+
+    async def open_session(_: Request, p: Principal) -> BaseModel:
+        return await c(
+            subjects.SESSIONS_OPEN,
+            OpenSession(project_id=p.project_id, opened_by=p.actor),
+            SessionOpenedReply,
+        )
+
+    async def get_session(r: Request, p: Principal) -> BaseModel:
+        return await own_session(c, p, _uuid(r, "session"))
+
+    async def session_events(r: Request, p: Principal) -> BaseModel:
+        session_id = _uuid(r, "session")
+        await own_session(c, p, session_id)
+        params = {k: v for k, v in r.query_params.items() if k in ("after_seq", "limit")}
+        query = _parse(ListEvents, {"session_id": session_id, **params})
+        return await c(subjects.EVENTS_LIST, query, EventsReply)
+
+    async def handoffs(r: Request, p: Principal) -> BaseModel:
+        session = r.query_params.get("session_id")
+        request = _parse(ListHandoffs, {"project_id": p.project_id, "session_id": session})
+        return await c(subjects.HANDOFFS_LIST, request, HandoffsReply)
+
+    async def insights(r: Request, p: Principal) -> BaseModel:
+        status = r.query_params.get("status")
+        request = _parse(ListHypotheses, {"project_id": p.project_id, "status": status})
+        return await c(subjects.HYPOTHESES_LIST, request, HypothesesReply)
+
+    async def decide(r: Request, p: Principal) -> BaseModel:
+        hypothesis_id = _uuid(r, "hypothesis")
+        if r.path_params["decision"] not in ("accept", "dismiss"):
+            raise DomainError(ErrorCode.INVALID_REQUEST, "decide with accept or dismiss")
+        listed = await c(
+            subjects.HYPOTHESES_LIST,
+            ListHypotheses(project_id=p.project_id, include_superseded=True),
+            HypothesesReply,
+        )
+        if not any(h.id == hypothesis_id for g in listed.groups for h in g.hypotheses):
+            raise DomainError(
+                ErrorCode.HYPOTHESIS_NOT_FOUND, f"no hypothesis {hypothesis_id} in this project"
+            )
+        subject = (
+            subjects.HYPOTHESES_ACCEPT
+            if r.path_params["decision"] == "accept"
+            else subjects.HYPOTHESES_DISMISS
+        )
+        decision = HypothesisDecision(hypothesis_id=hypothesis_id, actor=p.actor)
+        return await c(subject, decision, HypothesisReply)
+
+    async def reanalyze(r: Request, p: Principal) -> BaseModel:
+        session_id = _uuid(r, "session")
+        await own_session(c, p, session_id)
+        request = Reanalyze(project_id=p.project_id, session_id=session_id)
+        return await c(subjects.PSYCHOLOGIST_REANALYZE, request, AnalysisOutcome, timeout=120)
+
+    async def bindings(_: Request, p: Principal) -> BaseModel:
+        return await c(subjects.BINDINGS_LIST, ListBindings(project_id=p.project_id), BindingsReply)
+
+    async def set_binding(r: Request, p: Principal) -> BaseModel:
+        body = await _body(r)
+        # A project's token binds within its project: never the workspace default.
+        if body.get("scope") not in ("project", "agent", "session"):
+            raise DomainError(ErrorCode.INVALID_REQUEST, "scope must be project, agent or session")
+        request = _parse(SetBinding, {**body, "project_id": p.project_id})
+        if request.session_id is not None:
+            await own_session(c, p, request.session_id)
+        return await c(subjects.BINDINGS_SET, request, BindingSetReply)
+
+    async def usage(r: Request, p: Principal) -> BaseModel:
+        group_by = (r.query_params.get("group_by") or "session,agent,model").split(",")
+        session = r.query_params.get("session_id")
+        request = _parse(
+            UsageSummaryRequest,
+            {"group_by": group_by, "project_id": p.project_id, "session_id": session},
+        )
+        return await c(subjects.USAGE_SUMMARY, request, UsageSummaryReply)
+
+    base = "/api/projects/{project}"
+
+    def route(path: str, handler: Handler, method: str = "GET", status: int = 200) -> Route:
+        return Route(base + path, guarded(hub, handler, status), methods=[method])
+
+    return [
+        route("", whoami),
+        route("/sessions", list_sessions),
+        route("/sessions", open_session, "POST", 201),
+        route("/sessions/{session}", get_session),
+        route("/sessions/{session}/events", session_events),
+        route("/sessions/{session}/reanalyze", reanalyze, "POST"),
+        route("/handoffs", handoffs),
+        route("/insights", insights),
+        route("/hypotheses/{hypothesis}/{decision:str}", decide, "POST"),
+        route("/bindings", bindings),
+        route("/bindings", set_binding, "PUT"),
+        route("/usage", usage),
+    ]

@@ -1,0 +1,41 @@
+"""The gateway's knobs (`AGENTBUS_GATEWAY_PORT`, `AGENTBUS_GATEWAY_SECRET`, …)."""
+
+from __future__ import annotations
+
+import os
+
+from servicekit.settings import ServiceSettings
+
+# A fixed dev port, so the link `make up` prints stays the same between runs.
+DEFAULT_PORT = 8480
+
+
+class GatewaySettings(ServiceSettings):
+    """Where the gateway listens, how it signs tokens and how it treats a connection."""
+
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = DEFAULT_PORT  # 0: any free port
+    # Unset: a secret is created once in the state folder (`.agentbus/gateway.secret`),
+    # so the gateway and `agentbus token` agree without configuration on one machine.
+    gateway_secret: str | None = None
+    token_ttl_seconds: float = 12 * 3600
+    # While a client follows a session the gateway keeps it alive at this pace; the
+    # log reaps a session after `AGENTBUS_HEARTBEAT_TIMEOUT_SECONDS` (default 60).
+    heartbeat_interval_seconds: float = 10.0
+    max_frame_bytes: int = 64 * 1024
+    # Frames a connection may send: `rate_burst` at once, refilled at `rate_per_second`.
+    rate_per_second: float = 20.0
+    rate_burst: int = 40
+    command_timeout_seconds: float = 10.0
+    # Metering's provider choice, read from the same variables, for the "offline model"
+    # notice (DESIGN.md: without a key the demo runs on `scripted` and says so).
+    provider: str = "auto"
+
+
+def offline_model(settings: GatewaySettings) -> bool:
+    """Whether metering answers from its offline script rather than a real model."""
+    if settings.provider == "scripted":
+        return True
+    if settings.provider == "anthropic":
+        return False
+    return not os.environ.get("ANTHROPIC_API_KEY")

@@ -1,0 +1,159 @@
+"""One WebSocket connection: authenticate, read frames, follow the joined session.
+
+Every frame is answered: an `ack` with the service's reply, or an `error` with a code
+(malformed JSON, an unknown or invalid frame, an oversized one, a flood, a refusal of
+the service). None of them closes the connection; only a bad token does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from contracts.common import ErrorCode
+from contracts.gateway import AckFrame, ClientFrame, ErrorFrame, Join
+from domain.errors import DomainError
+from gateway.access import own_session
+from gateway.actions import SessionActions
+from gateway.auth import Principal, verify
+from gateway.bus import Commands
+from gateway.feed import SessionFeed
+from gateway.presence import Presence
+from gateway.ratelimit import TokenBucket
+from gateway.settings import GatewaySettings
+from servicekit.logs import get_logger
+
+log = get_logger(__name__)
+FRAMES: TypeAdapter[Any] = TypeAdapter(ClientFrame)
+# Close codes in the application range: the browser sees them, unlike an HTTP status.
+CLOSE_UNAUTHORIZED = 4401
+
+
+@dataclass
+class Hub:
+    """What every connection shares."""
+
+    settings: GatewaySettings
+    secret: str
+    commands: Commands
+    presence: Presence
+
+
+class Connection:
+    """A client's connection: at most one joined session at a time."""
+
+    def __init__(self, hub: Hub, ws: WebSocket, principal: Principal) -> None:
+        self._hub = hub
+        self._ws = ws
+        self._principal = principal
+        self._send_lock = asyncio.Lock()
+        self._bucket = TokenBucket(hub.settings.rate_per_second, hub.settings.rate_burst)
+        self._feed: SessionFeed | None = None
+        self._actions: SessionActions | None = None
+        # The session this connection keeps alive (only an open one is).
+        self._present: uuid.UUID | None = None
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        async with self._send_lock:
+            await self._ws.send_text(json.dumps(frame, separators=(",", ":")))
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                message = await self._ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                raw = message.get("text")
+                if raw is None:
+                    data = message.get("bytes") or b""
+                    raw = data.decode("utf-8", errors="replace")
+                await self._frame(raw)
+        except WebSocketDisconnect:
+            return
+        finally:
+            await self._leave()
+
+    async def _frame(self, raw: str) -> None:
+        ref: str | None = None
+        try:
+            if len(raw.encode()) > self._hub.settings.max_frame_bytes:
+                raise DomainError(
+                    ErrorCode.PAYLOAD_TOO_LARGE,
+                    f"a frame may be {self._hub.settings.max_frame_bytes} bytes at most",
+                )
+            allowed = self._bucket.take()  # every frame counts, even a malformed one
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise DomainError(ErrorCode.MALFORMED_JSON, f"not JSON: {exc}") from None
+            if isinstance(body, dict) and isinstance(body.get("ref"), str):
+                ref = body["ref"][:100]
+            if not allowed:
+                raise DomainError(ErrorCode.RATE_LIMITED, "too many frames; slow down")
+            try:
+                frame = FRAMES.validate_python(body)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(map(str, e['loc'])) or 'frame'}: {e['msg']}"
+                    for e in exc.errors(include_url=False, include_input=False)
+                )
+                raise DomainError(ErrorCode.INVALID_REQUEST, f"invalid frame: {problems}") from None
+            result = await self._dispatch(frame)
+            ack = AckFrame(
+                of=frame.type,
+                ref=ref,
+                client_msg_id=getattr(frame, "client_msg_id", None),
+                result=result,
+            )
+            await self.send(ack.model_dump(mode="json"))
+        except DomainError as exc:
+            await self.send(ErrorFrame(code=exc.code, message=exc.message, ref=ref).model_dump())
+
+    async def _dispatch(self, frame: Any) -> dict[str, Any]:
+        if isinstance(frame, Join):
+            return await self._join(frame)
+        if self._actions is None:
+            raise DomainError(ErrorCode.NOT_JOINED, "join a session first")
+        reply = await self._actions.handler(frame)()
+        result: dict[str, Any] = reply.model_dump(mode="json")
+        return result
+
+    async def _join(self, frame: Join) -> dict[str, Any]:
+        view = await own_session(self._hub.commands, self._principal, frame.session_id)
+        await self._leave()
+        feed = SessionFeed(
+            self._hub.commands, self._principal.project_id, frame.session_id, self.send
+        )
+        await feed.start(frame.after_seq)
+        self._feed = feed
+        self._actions = SessionActions(self._hub.commands, self._principal, frame.session_id)
+        if view.status == "open":
+            self._hub.presence.enter(frame.session_id)
+            self._present = frame.session_id
+        return {"session_id": str(frame.session_id), "status": view.status, "seq": feed.last_seq}
+
+    async def _leave(self) -> None:
+        feed, self._feed, self._actions = self._feed, None, None
+        present, self._present = self._present, None
+        if feed is not None:
+            await feed.close()
+        if present is not None:
+            await self._hub.presence.leave(present)
+
+
+async def websocket_endpoint(hub: Hub, ws: WebSocket) -> None:
+    """`/ws?token=…`: browsers cannot set headers on a WebSocket, so the token is a query."""
+    await ws.accept()
+    try:
+        principal = verify(hub.secret, ws.query_params.get("token"))
+    except DomainError as exc:
+        await ws.send_text(ErrorFrame(code=exc.code, message=exc.message).model_dump_json())
+        await ws.close(CLOSE_UNAUTHORIZED)
+        return
+    await Connection(hub, ws, principal).serve()
