@@ -167,7 +167,12 @@ def _criativo_rule(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseB
 
 
 def _criativo_brief(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
-    said = _words(" ".join(_text_of(m) for m in request.messages if m.role == "user"))
+    # Only what the person said: the person's turns, without the consolidation request
+    # Criativo appends to the last one (its prompts/consolidation.md).
+    turns = [
+        _text_of(m).split("The person clicked", 1)[0] for m in request.messages if m.role == "user"
+    ]
+    said = _words(" ".join(turns))
     brief = {
         "title": "Product brief",
         "summary": " ".join(said.split()[:40]) or "What the person described.",
