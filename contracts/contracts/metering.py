@@ -106,6 +106,9 @@ class LlmStream(LlmTurn):
     """`cmd.llm.stream`: the same turn, with text deltas published on `delta_subject`."""
 
     delta_subject: DeltaSubject
+    # The event the turn answers (a person's message), stamped on every delta so a
+    # client can place the streaming text before the response event exists.
+    causation_id: UUID | None = None
 
 
 class TokenUsage(Message):
@@ -142,6 +145,7 @@ class TurnDelta(Message):
     # Wall-clock seconds (time.time()) when the provider produced this text, so a
     # subscriber can measure the latency metering added.
     emitted_at: float
+    causation_id: UUID | None = None
 
 
 class SetBinding(Message):

@@ -25,9 +25,11 @@ async def stream_turn(
     tools: list[ToolSpec] | None = None,
     budget_micros: int | None = None,
     delta_subject: str | None = None,
+    causation_id: UUID | None = None,
 ) -> TurnReply:
     """Run one metered streaming turn; deltas go to the session's delta subject by default."""
     cmd = LlmStream(
+        causation_id=causation_id,
         run_id=run_id,
         turn_id=turn_id,
         agent_slug=agent_slug,

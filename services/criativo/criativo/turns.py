@@ -168,6 +168,7 @@ class Turns:
                     max_tokens=self._max_tokens,
                     tools=[tool.spec()],
                     budget_micros=self._budget,
+                    causation_id=message_id,
                 )
             except CommandFailed as exc:
                 raise TurnFailed(exc.code, exc.message, outcome.turn_ids) from None
@@ -218,6 +219,7 @@ class Turns:
                 system="",
                 messages=[ChatMessage(role="user", content=text)],
                 max_tokens=self._max_tokens,
+                causation_id=message_id,
             )
         except CommandFailed as exc:
             raise TurnFailed(exc.code, exc.message, [turn_id]) from None

@@ -41,17 +41,6 @@ DELTA_PREFIX = "agent.delta."
 DONE_PREFIX = "agent.done."
 
 
-def message_of(turn_id: str) -> uuid.UUID | None:
-    """The message a turn answers: Criativo names its turns `<agent>.<message_id>.…`."""
-    parts = turn_id.split(".")
-    if len(parts) < 2:
-        return None
-    try:
-        return uuid.UUID(parts[1])
-    except ValueError:
-        return None
-
-
 def session_filter(project_id: str, session_id: uuid.UUID) -> str:
     """Every event type, delta and done of one session (all are `<a>.<b>.<project>.<session>`)."""
     return f"*.*.{project_id}.{session_id}"
@@ -127,7 +116,7 @@ class SessionFeed:
             return
         seen.add(delta.seq)
         frame = DeltaFrame(
-            message_id=message_of(delta.turn_id),
+            message_id=delta.causation_id,
             turn_id=delta.turn_id,
             seq=delta.seq,
             text=delta.text,

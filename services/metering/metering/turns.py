@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from uuid import UUID
 
 from nats.aio.client import Client
 
@@ -79,11 +80,18 @@ class DeltaPublisher:
     nc: Client
     subject: str
     turn_id: str
+    causation_id: UUID | None = None
     seq: int = 0
 
     async def __call__(self, text: str, emitted_at: float) -> None:
         self.seq += 1
-        delta = TurnDelta(turn_id=self.turn_id, seq=self.seq, text=text, emitted_at=emitted_at)
+        delta = TurnDelta(
+            turn_id=self.turn_id,
+            seq=self.seq,
+            text=text,
+            emitted_at=emitted_at,
+            causation_id=self.causation_id,
+        )
         try:
             # Core NATS: no ack to wait for on the per-token path; the DELTAS stream
             # captures `agent.delta.>` for a client that reconnects.
@@ -144,7 +152,7 @@ class TurnRunner:
         progress = Progress()
         stream = isinstance(cmd, LlmStream)
         on_text = (
-            DeltaPublisher(self._nc, cmd.delta_subject, cmd.turn_id)
+            DeltaPublisher(self._nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id)
             if isinstance(cmd, LlmStream)
             else None
         )
