@@ -115,6 +115,13 @@ class HeartbeatReply(Message):
     last_heartbeat_at: datetime
 
 
+class ListSessions(Message):
+    """`cmd.sessions.list`: a project's sessions, newest first."""
+
+    project_id: ProjectId
+    limit: int = Field(default=200, ge=1, le=1000)
+
+
 class SessionView(Message):
     """A session's state as `cmd.sessions.get` reports it."""
 
@@ -127,3 +134,9 @@ class SessionView(Message):
     closed_at: datetime | None
     last_heartbeat_at: datetime | None
     event_count: int
+
+
+class SessionsReply(Message):
+    """Sessions, newest first."""
+
+    sessions: list[SessionView]

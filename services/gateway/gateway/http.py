@@ -19,7 +19,6 @@ from starlette.routing import Route
 
 from contracts import subjects
 from contracts.common import ErrorBody, ErrorCode, ErrorReply
-from contracts.events import EventType
 from contracts.gateway import ClientConfig
 from contracts.handoff import HandoffsReply, ListHandoffs
 from contracts.metering import (
@@ -41,9 +40,12 @@ from contracts.psychologist import (
 from contracts.session_events import (
     EventsReply,
     ListEvents,
+    ListSessions,
     OpenSession,
-    QueryEvents,
     SessionOpenedReply,
+)
+from contracts.session_events import (
+    SessionsReply as LogSessionsReply,
 )
 from domain.errors import DomainError
 from gateway.access import own_session
@@ -166,13 +168,6 @@ def _parse(model: type[M], data: dict[str, Any]) -> M:
         raise DomainError(ErrorCode.INVALID_REQUEST, f"invalid request: {problems}") from None
 
 
-SESSION_TYPES = [
-    EventType.SESSION_OPENED.value,
-    EventType.SESSION_CLOSED.value,
-    EventType.SESSION_CLOSED_ABNORMALLY.value,
-]
-
-
 def routes(hub: Hub) -> list[Route]:
     """The API's routes, each a few lines over one command."""
     c = hub.commands
@@ -184,11 +179,9 @@ def routes(hub: Hub) -> list[Route]:
 
     async def list_sessions(_: Request, p: Principal) -> BaseModel:
         reply = await c(
-            subjects.EVENTS_QUERY,
-            QueryEvents(project_id=p.project_id, types=SESSION_TYPES, limit=5000),
-            EventsReply,
+            subjects.SESSIONS_LIST, ListSessions(project_id=p.project_id), LogSessionsReply
         )
-        return sessions_of(reply.events)
+        return sessions_of(reply.sessions)
 
     async def open_session(_: Request, p: Principal) -> BaseModel:
         return await c(

@@ -18,11 +18,13 @@ from contracts.session_events import (
     GetEvents,
     HeartbeatReply,
     ListEvents,
+    ListSessions,
     OpenSession,
     QueryEvents,
     SessionClosedReply,
     SessionOpenedReply,
     SessionRef,
+    SessionsReply,
     SessionView,
     TerminateSession,
 )
@@ -139,6 +141,10 @@ def build_endpoints(repo: LogRepository) -> Endpoints:
         async with repo.transaction() as tx:
             session = await tx.lock_session(cmd.session_id)
             return await close_session(tx, session, cmd.reason, None)
+
+    @api.command(subjects.SESSIONS_LIST, ListSessions)
+    async def list_sessions(cmd: ListSessions) -> SessionsReply:
+        return SessionsReply(sessions=await repo.sessions_of_project(cmd.project_id, cmd.limit))
 
     @api.command(subjects.SESSIONS_GET, SessionRef)
     async def get_session(cmd: SessionRef) -> SessionView:

@@ -19,6 +19,10 @@ from servicekit import outbox
 from servicekit.db import Connection
 
 EVENT_COLUMNS = "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at"
+SESSION_COLUMNS = (
+    "id AS session_id, project_id, opened_by, status, termination_reason, "
+    "opened_at, closed_at, last_heartbeat_at, last_seq AS event_count"
+)
 
 
 @dataclass
@@ -173,12 +177,20 @@ class LogRepository:
     async def session(self, session_id: UUID) -> SessionView | None:
         """The session's state and how many events it holds."""
         row = await self._pool.fetchrow(
-            """SELECT id AS session_id, project_id, opened_by, status, termination_reason,
-                      opened_at, closed_at, last_heartbeat_at, last_seq AS event_count
-                 FROM sessions WHERE id = $1""",
+            f"SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1",
             session_id,
         )
         return SessionView.model_validate(dict(row)) if row else None
+
+    async def sessions_of_project(self, project_id: str, limit: int) -> list[SessionView]:
+        """A project's sessions, newest first."""
+        rows = await self._pool.fetch(
+            f"""SELECT {SESSION_COLUMNS} FROM sessions
+                 WHERE project_id = $1 ORDER BY opened_at DESC, id LIMIT $2""",
+            project_id,
+            limit,
+        )
+        return [SessionView.model_validate(dict(r)) for r in rows]
 
     async def events_by_id(self, event_ids: Sequence[UUID]) -> list[Event]:
         rows = await self._pool.fetch(

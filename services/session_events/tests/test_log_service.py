@@ -21,9 +21,11 @@ from contracts.session_events import (
     GetEvents,
     HeartbeatReply,
     ListEvents,
+    ListSessions,
     QueryEvents,
     SessionClosedReply,
     SessionRef,
+    SessionsReply,
     SessionView,
     TerminateSession,
 )
@@ -421,6 +423,7 @@ async def test_the_service_is_discoverable_through_nats_micro(nc: Client, log_se
 
     assert ping["name"] == "session_events"
     assert {e["subject"] for e in info["endpoints"]} == {
+        subjects.SESSIONS_LIST,
         subjects.SESSIONS_OPEN,
         subjects.SESSIONS_CLOSE,
         subjects.SESSIONS_TERMINATE,
@@ -432,3 +435,21 @@ async def test_the_service_is_discoverable_through_nats_micro(nc: Client, log_se
         subjects.EVENTS_QUERY,
     }
     assert stats["name"] == "session_events"
+
+
+async def test_a_projects_sessions_are_listed_newest_first(nc: Client, open_session: Any) -> None:
+    older = await open_session("listed")
+    newer = await open_session("listed")
+    await open_session("another-project")
+    await call(
+        nc,
+        subjects.SESSIONS_TERMINATE,
+        TerminateSession(session_id=older.session_id, reason="boom"),
+        SessionClosedReply,
+    )
+
+    reply = await call(nc, subjects.SESSIONS_LIST, ListSessions(project_id="listed"), SessionsReply)
+    assert [(s.session_id, s.status, s.termination_reason) for s in reply.sessions] == [
+        (newer.session_id, "open", None),
+        (older.session_id, "closed_abnormally", "boom"),
+    ]
