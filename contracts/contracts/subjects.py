@@ -54,14 +54,18 @@ def event_filter(event_type: EventType, project_id: str = "*", session_id: str =
     return f"{event_type.value}.{project_id}.{session_id}"
 
 
+DELTA_PREFIX = "agent.delta."
+DONE_PREFIX = "agent.done."
+
+
 def delta_subject(project_id: str, session_id: UUID | str) -> str:
     """Where a streaming turn's text deltas go, token by token."""
-    return f"agent.delta.{project_id}.{session_id}"
+    return f"{DELTA_PREFIX}{project_id}.{session_id}"
 
 
 def done_subject(project_id: str, session_id: UUID | str) -> str:
     """Where a streaming turn is closed."""
-    return f"agent.done.{project_id}.{session_id}"
+    return f"{DONE_PREFIX}{project_id}.{session_id}"
 
 
 # Where exhausted or terminated deliveries are announced (see servicekit.consumer).

@@ -82,9 +82,9 @@ async def test_readiness_writes_the_brief_and_offers_it_to_po(bus: Driver) -> No
     readiness = await bus.ready(session)
 
     async def offered() -> list[object]:
-        return await bus.events(session, "handoff.offered")
+        return await bus.events(session, EventType.HANDOFF_OFFERED.value)
 
-    offer = (await wait_for(offered, timeout=30, what="handoff.offered"))[0]
+    offer = (await wait_for(offered, timeout=30, what=EventType.HANDOFF_OFFERED.value))[0]
     brief = (await bus.events(session, "artifact.product_brief"))[0]
     assert brief.causation_id == readiness and brief.actor == "agent:criativo"
     assert brief.payload["business_rule_ids"] == [str(rule.id)]
@@ -246,7 +246,7 @@ async def test_a_brief_offered_while_po_is_active_is_refused_and_the_person_is_t
     await bus.ready(first)
 
     async def offered() -> list[Event]:
-        return await bus.events(first, "handoff.offered")
+        return await bus.events(first, EventType.HANDOFF_OFFERED.value)
 
     [offer] = await wait_for(offered, timeout=30, what="the first brief's offer")
     await call(
@@ -267,5 +267,5 @@ async def test_a_brief_offered_while_po_is_active_is_refused_and_the_person_is_t
     assert error.payload["code"] == "agente_ja_ativo"
     assert "'po' is already active" in error.payload["reason"]
     assert len(await bus.events(second, "artifact.product_brief")) == 1  # the brief stays
-    assert await bus.events(second, "handoff.offered") == []
+    assert await bus.events(second, EventType.HANDOFF_OFFERED.value) == []
     assert await bus.db.fetchval("SELECT count(*) FROM criativo.outbox") == 0

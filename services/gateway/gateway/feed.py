@@ -37,8 +37,7 @@ log = get_logger(__name__)
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 PAGE = 500
-DELTA_PREFIX = "agent.delta."
-DONE_PREFIX = "agent.done."
+DELTA_PREFIX, DONE_PREFIX = subjects.DELTA_PREFIX, subjects.DONE_PREFIX
 
 
 def session_filter(project_id: str, session_id: uuid.UUID) -> str:

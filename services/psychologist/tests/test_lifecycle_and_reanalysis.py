@@ -163,7 +163,7 @@ async def test_a_duplicate_delivery_after_success_spends_nothing(bus: Driver) ->
     await bus.close(s)
     await bus.outcome(s)
     calls = bus.metering.calls
-    [closing] = await bus.events(s, "session.closed")
+    [closing] = await bus.events(s, EventType.SESSION_CLOSED.value)
 
     # The same event again, as a relay retrying after the duplicate window would send it.
     js = bus.nc.jetstream()
