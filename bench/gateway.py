@@ -1,0 +1,261 @@
+"""The gateway under many streaming clients: per-token latency and memory per connection.
+
+At each level (100 and 500 clients) every WebSocket client joins a session of its own,
+starts Criativo there (`start_agent`) and sends one `chat`, the sends spread over one
+stream's duration (a steady number of streams in flight, as in bench/metering.py):
+
+- per-token delivery: delta frame received − the provider's emit time. A delta frame
+  carries no emit time, so the bench also follows the deltas on NATS and takes the same
+  (turn, seq)'s `TurnDelta.emitted_at`; the gateway leg is frame received − that delta
+  received by the bench's own NATS subscriber (what gateway and WebSocket add to the bus);
+- chat → first delta: first delta frame − `chat` sent − the provider's first-token delay;
+- memory per connection: the gateway's VmRSS with the N clients joined minus before, / N
+  (a fresh gateway process per level, warmed by one connection first);
+
+against a raw NATS hop of the same deltas at the same rate and concurrency, in the same
+run (bench/metering.py's baseline). Every service runs as its own process.
+
+    .venv/bin/python bench/gateway.py [--clients 100,500] [--tokens 50] [--delay-ms 20] [--json]
+
+Servers: NATS_URL / DATABASE_URL when set, otherwise embedded ones in a temp dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import nats
+import uvloop
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+import benchkit as bk
+from contracts import subjects
+from contracts.session_events import OpenSession, SessionOpenedReply
+from servicekit.client import call
+
+PROJECT = "gwbench"
+SECRET = "bench-secret-" + "x" * 40
+SERVICES = ["session_events", "handoff", "metering", "criativo"]
+METERING = Path(__file__).with_name("metering.py")  # its raw-hop baseline, reused as chat.py does
+_spec = importlib.util.spec_from_file_location("bench_metering", METERING)
+assert _spec is not None and _spec.loader is not None
+bench_metering = importlib.util.module_from_spec(_spec)
+sys.modules["bench_metering"] = bench_metering  # its dataclasses look their module up
+_spec.loader.exec_module(bench_metering)
+
+
+def mint_token() -> str:
+    """A token for PROJECT from the gateway's own `mint`, in a child process: this script,
+    named gateway.py, shadows the `gateway` package on its own path."""
+    code = "import sys; from gateway.auth import mint; print(mint(sys.argv[1], sys.argv[2], 'b'))"
+    argv = [sys.executable, "-P", "-c", code, SECRET, PROJECT]
+    return subprocess.check_output(argv, text=True).strip()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1])
+
+
+class WsClient:
+    """One connection: answers matched by `ref`, delta frames stamped on arrival."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.answers: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.activated = asyncio.Event()
+        self.message: str | None = None  # the chat message whose reply is measured
+        self.dones: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)  # by message
+        self.arrivals: list[tuple[str, int, float, str | None]] = []  # turn, seq, at, message
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in self.ws:
+                now = time.time()
+                f = json.loads(raw)
+                kind = f["type"]
+                if kind == "delta":
+                    self.arrivals.append((f["turn_id"], f["seq"], now, f["message_id"]))
+                elif kind in ("ack", "error") and f.get("ref") in self.answers:
+                    self.answers.pop(f["ref"]).set_result(f)
+                elif kind == "event" and f["event"]["type"] == "agent.activated":
+                    self.activated.set()
+                elif kind == "done":
+                    self.dones[f["message_id"]].set()
+
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        ref = uuid.uuid4().hex
+        self.answers[ref] = asyncio.get_running_loop().create_future()
+        await self.ws.send(json.dumps({**frame, "ref": ref}))
+        reply = await asyncio.wait_for(self.answers[ref], 60)
+        if reply["type"] != "ack":
+            raise RuntimeError(f"{frame['type']} refused: {reply}")
+        result: dict[str, Any] = reply["result"]
+        return result
+
+
+async def open_client(url: str, session: uuid.UUID) -> WsClient:
+    client = WsClient(await connect(url, max_size=None, open_timeout=60))
+    await client.request({"type": "join", "session_id": str(session)})
+    return client
+
+
+async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str], logs: Path,
+                groups: dict[str, list[int]], n: int, tokens: int, delay_s: float
+                ) -> dict[str, Any]:  # fmt: skip
+    """One level: raw-hop baseline, a fresh gateway, N clients streaming one turn each."""
+    base = bench_metering.Receiver()
+    base.expected = tokens
+    sub = await nc.subscribe(f"{bench_metering.SUBJECT_ROOT}.*", cb=base.on_msg)
+    await nc.flush()
+    await bench_metering.baseline(env["NATS_URL"], base, n, n, tokens, delay_s)
+    await sub.unsubscribe()
+
+    port, token = free_port(), mint_token()
+    gw_env = env | {"AGENTBUS_GATEWAY_PORT": str(port)}
+    (gw,) = await bk.start_services(stack, nc, gw_env, logs, ["gateway"])
+    url = f"ws://127.0.0.1:{port}/ws?token={token}"
+    opening = OpenSession(project_id=PROJECT, opened_by="user:bench")
+    sessions = [(await call(nc, subjects.SESSIONS_OPEN, opening, SessionOpenedReply)).session_id
+                for _ in range(n + 1)]  # fmt: skip
+    await (await open_client(url, sessions.pop())).ws.close()  # warm-up: one-time costs
+    await asyncio.sleep(1)
+    rss_before = rss_kib(gw.pid)
+    clients = await asyncio.gather(*(open_client(url, s) for s in sessions))
+    rss_joined = rss_kib(gw.pid)
+    for c in clients:  # start Criativo everywhere; the activation reaches the log via outbox
+        await c.request({"type": "start_agent", "agent": "criativo"})
+    await asyncio.wait_for(asyncio.gather(*(c.activated.wait() for c in clients)), 120)
+
+    emitted: dict[tuple[str, int], tuple[float, float]] = {}
+
+    async def on_delta(msg: Msg) -> None:
+        now = time.time()
+        d = json.loads(msg.data)
+        emitted[(d["turn_id"], d["seq"])] = (d["emitted_at"], now)
+
+    sub = await nc.subscribe(subjects.delta_subject(PROJECT, "*"), cb=on_delta)
+    await nc.flush()
+    first_ms: list[float] = []
+
+    async def chat(k: int, c: WsClient) -> None:
+        await asyncio.sleep(k / n * tokens * delay_s)  # spread over one stream's duration
+        sent = time.time()
+        reply = await c.request({"type": "chat", "text": "Um app para padarias",
+                                 "client_msg_id": f"m{k}"})  # fmt: skip
+        c.message = reply["event_id"]
+        await asyncio.wait_for(c.dones[c.message].wait(), 120)
+        arrived = [a for a in c.arrivals if a[3] == c.message]
+        if arrived:
+            first_ms.append((min(a[2] for a in arrived) - sent - delay_s) * 1000)
+
+    meter = bk.CpuMeter(groups | {"gateway": [gw.pid], "bench": [os.getpid()]})
+    await meter.start()
+    started = time.perf_counter()
+    await asyncio.gather(*(chat(k, c) for k, c in enumerate(clients)))
+    usage = await meter.stop(n * tokens, time.perf_counter() - started)
+    await sub.unsubscribe()
+    rss_after = rss_kib(gw.pid)
+    got = [(at, emitted.get((turn, seq))) for c in clients for turn, seq, at, m in c.arrivals
+           if m == c.message]  # fmt: skip
+    per_token = [(at - e[0]) * 1000 for at, e in got if e]
+    gw_leg = [(at - e[1]) * 1000 for at, e in got if e]
+    lost = sum(e is None for _, e in got)
+    await asyncio.gather(*(c.ws.close() for c in clients))
+    return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
+            "gateway_leg_ms": gw_leg, "first_delta_ms": first_ms, "unmatched": lost,
+            "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage}  # fmt: skip
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    qs, rss = {"p50": 0.5, "p99": 0.99}, r["rss_kib"]
+    out: dict[str, Any] = {k: {q: bk.percentile(r[k], v) for q, v in qs.items()} for k in r
+                           if k.endswith("ms")}  # fmt: skip
+    out |= {f"ratio_{q}": bk.ratio(out["per_token_ms"][q], out["hop_ms"][q]) for q in qs}
+    return out | {"clients": r["clients"], "deltas": len(r["per_token_ms"]),
+                  "unmatched": r["unmatched"], "rss_kib_before_joined_after": rss,
+                  "rss_kib_per_connection": (rss[1] - rss[0]) / r["clients"],
+                  "cpu_ms_per_token": r["cpu"].ms_per_op}  # fmt: skip
+
+
+async def run(levels: list[int], tokens: int, delay_ms: float, as_json: bool) -> None:
+    delay_s = delay_ms / 1000
+    async with contextlib.AsyncExitStack() as stack:
+        srv = stack.enter_context(bk.servers(prefix="bench-gateway-"))
+        database_url = await stack.enter_async_context(bk.fresh_database(srv.admin_url))
+        script = {"steps": [{"text": " ".join(f"w{i}" for i in range(tokens)),
+                             "input_tokens": 100, "token_delay_ms": delay_ms}]}  # fmt: skip
+        (srv.state / "script.json").write_text(json.dumps(script))
+        env = bk.service_env(srv.nats_url, database_url, AGENTBUS_PROVIDER="scripted",
+                             AGENTBUS_SCRIPT_PATH=str(srv.state / "script.json"),
+                             AGENTBUS_LOG_FORMAT="json", AGENTBUS_OUTBOX_POLL_SECONDS="0.2",
+                             AGENTBUS_SESSION_BUDGET_MICROS="100000000",
+                             AGENTBUS_GATEWAY_SECRET=SECRET)  # fmt: skip
+        nc = await nats.connect(srv.nats_url)
+        stack.push_async_callback(nc.close)
+        procs = await bk.start_services(stack, nc, env, srv.state, SERVICES)
+        groups = {p.module: [p.pid] for p in procs}
+        groups |= {"nats": [srv.nats_pid]} if srv.nats_pid else {}
+        results = []
+        for n in levels:
+            async with contextlib.AsyncExitStack() as gw_stack:  # a fresh gateway per level
+                results.append(await level(nc, gw_stack, env, srv.state, groups, n, tokens,
+                                           delay_s))  # fmt: skip
+        if as_json:
+            print(json.dumps([summary(r) for r in results], indent=2))
+            return
+        print(f"gateway bench: {tokens} tokens per turn, one every {delay_ms} ms; "
+              f"{os.cpu_count()} cores")  # fmt: skip
+        for r in results:
+            hop = r["hop_ms"]
+            print(f"{r['clients']} WebSocket clients, one session and one turn each "
+                  f"({r['unmatched']} frames without a matching bus delta):")  # fmt: skip
+            print(bk.latency_row("baseline raw NATS hop", hop))
+            print(bk.latency_row("per-token emit → client", r["per_token_ms"], hop))
+            print(bk.latency_row("gateway leg (bus → client)", r["gateway_leg_ms"], hop))
+            print(bk.latency_row("chat → first delta", r["first_delta_ms"], hop))
+            before, joined, after = (k / 1024 for k in r["rss_kib"])
+            print(f"  gateway RSS {before:.1f} → {joined:.1f} MiB with {r['clients']} joined: "
+                  f"{(joined - before) * 1024 / r['clients']:.1f} KiB per connection; "
+                  f"{after:.1f} MiB after the turns")  # fmt: skip
+        roles = ["gateway", *SERVICES, "nats", "bench"]
+        cpu = [("per token", r["clients"], r["cpu"]) for r in results]
+        print("\n".join(bk.cpu_table(roles, cpu)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--clients", default="100,500")
+    parser.add_argument("--tokens", type=int, default=50)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.clients.split(",")]
+    uvloop.run(run(levels, args.tokens, args.delay_ms, args.json))
+
+
+if __name__ == "__main__":
+    main()
