@@ -110,6 +110,9 @@ class DeltaFrame(Message):
     turn_id: str
     seq: int
     text: str
+    # When the provider produced the text (seconds since the epoch), so a client can
+    # measure the latency of the whole path.
+    emitted_at: float | None = None
 
 
 class DoneFrame(Message):

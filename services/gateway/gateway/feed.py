@@ -27,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from contracts import streams, subjects
 from contracts.criativo import AgentDone
 from contracts.events import Event
-from contracts.gateway import DeltaFrame, DoneFrame, EventFrame
+from contracts.gateway import DoneFrame, EventFrame
 from contracts.metering import TurnDelta
 from contracts.session_events import EventsReply, ListEvents
 from gateway.bus import Commands
@@ -114,13 +114,18 @@ class SessionFeed:
         if delta.seq in seen:
             return
         seen.add(delta.seq)
-        frame = DeltaFrame(
-            message_id=delta.causation_id,
-            turn_id=delta.turn_id,
-            seq=delta.seq,
-            text=delta.text,
+        # A `DeltaFrame`, built as a plain dict: this is the per-token path, and a model
+        # round trip per delta was the gateway's largest cost (bench/gateway.py).
+        await self._send(
+            {
+                "type": "delta",
+                "message_id": str(delta.causation_id) if delta.causation_id else None,
+                "turn_id": delta.turn_id,
+                "seq": delta.seq,
+                "text": delta.text,
+                "emitted_at": delta.emitted_at,
+            }
         )
-        await self._send(frame.model_dump(mode="json"))
 
     async def _open_turn_deltas(self) -> list[TurnDelta]:
         """Deltas of the turns in flight, from the DELTAS stream (a reconnect mid-turn)."""

@@ -12,6 +12,7 @@ import pytest
 from nats.aio.client import Client
 
 from contracts import subjects
+from contracts.gateway import DeltaFrame
 from contracts.session_events import AppendedReply, AppendEvent, SessionRef, SessionView
 from gateway.auth import mint
 from servicekit.client import call
@@ -203,6 +204,7 @@ async def test_chat_streams_deltas_and_a_late_joiner_catches_up_on_the_turn(
 
     for client in (first, late):
         deltas = [d for d in client.of("delta") if d["message_id"] == message_id]
+        assert all(DeltaFrame.model_validate(d).emitted_at for d in deltas)  # the contract
         keys = [(d["turn_id"], d["seq"]) for d in deltas]
         assert len(keys) == len(set(keys)), "a delta sent twice"
         per_turn: dict[str, list[int]] = {}
