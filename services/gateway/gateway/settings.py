@@ -23,6 +23,10 @@ class GatewaySettings(ServiceSettings):
     # log reaps a session after `AGENTBUS_HEARTBEAT_TIMEOUT_SECONDS` (default 60).
     heartbeat_interval_seconds: float = 10.0
     max_frame_bytes: int = 64 * 1024
+    # Frames waiting to be written to one client. A client that falls this far behind
+    # (a stalled tab, a dead network) is disconnected with 1013 and resumes with
+    # `after_seq` when it comes back, rather than making the gateway hold its backlog.
+    max_queued_frames: int = 2000
     # Frames a connection may send: `rate_burst` at once, refilled at `rate_per_second`.
     rate_per_second: float = 20.0
     rate_burst: int = 40

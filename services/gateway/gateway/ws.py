@@ -2,7 +2,9 @@
 
 Every frame is answered: an `ack` with the service's reply, or an `error` with a code
 (malformed JSON, an unknown or invalid frame, an oversized one, a flood, a refusal of
-the service). None of them closes the connection; only a bad token does.
+the service). None of them closes the connection; only a bad token does, or a client
+so slow that `max_queued_frames` frames wait for it (close code 1013: come back and
+resume with `after_seq`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ log = get_logger(__name__)
 FRAMES: TypeAdapter[Any] = TypeAdapter(ClientFrame)
 # Close codes in the application range: the browser sees them, unlike an HTTP status.
 CLOSE_UNAUTHORIZED = 4401
+# "Try again later": the client fell too far behind; it reconnects and resumes.
+CLOSE_TOO_SLOW = 1013
 
 
 @dataclass
@@ -52,7 +56,9 @@ class Connection:
         self._hub = hub
         self._ws = ws
         self._principal = principal
-        self._send_lock = asyncio.Lock()
+        # Frames are written by one task, in order; senders never wait on the socket.
+        self._outgoing: asyncio.Queue[str] = asyncio.Queue(hub.settings.max_queued_frames)
+        self._closing = False
         self._bucket = TokenBucket(hub.settings.rate_per_second, hub.settings.rate_burst)
         self._feed: SessionFeed | None = None
         self._actions: SessionActions | None = None
@@ -60,10 +66,26 @@ class Connection:
         self._present: uuid.UUID | None = None
 
     async def send(self, frame: dict[str, Any]) -> None:
-        async with self._send_lock:
-            await self._ws.send_text(json.dumps(frame, separators=(",", ":")))
+        """Queue a frame for the client; disconnect a client that stopped reading."""
+        if self._closing:
+            return
+        try:
+            self._outgoing.put_nowait(json.dumps(frame, separators=(",", ":")))
+        except asyncio.QueueFull:
+            self._closing = True
+            log.warning("client_too_slow", user=self._principal.user, queued=self._outgoing.qsize())
+            await self._ws.close(CLOSE_TOO_SLOW)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                text = await self._outgoing.get()
+                await self._ws.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            return  # the client is gone: the reader sees the disconnect and cleans up
 
     async def serve(self) -> None:
+        writer = asyncio.create_task(self._write())
         try:
             while True:
                 message = await self._ws.receive()
@@ -77,6 +99,7 @@ class Connection:
         except WebSocketDisconnect:
             return
         finally:
+            writer.cancel()
             await self._leave()
 
     async def _frame(self, raw: str) -> None:
