@@ -60,7 +60,6 @@ NOT_FOUND = {
     ErrorCode.HYPOTHESIS_NOT_FOUND,
     ErrorCode.ARTIFACT_NOT_FOUND,
     ErrorCode.UNKNOWN_AGENT,
-    ErrorCode.UNKNOWN_MODEL,
     ErrorCode.NO_BINDING,
 }
 CONFLICT = {
@@ -76,6 +75,8 @@ UNPROCESSABLE = {
     ErrorCode.INVALID_REQUEST,
     ErrorCode.INVALID_PAYLOAD,
     ErrorCode.INVALID_BINDING,
+    # a model named in the request body that has no price: a refused value, not a path
+    ErrorCode.UNKNOWN_MODEL,
     ErrorCode.UNKNOWN_EVENT_TYPE,
 }
 FIXED = {
@@ -245,7 +246,12 @@ def routes(hub: Hub) -> list[Route]:
         # A project's token binds within its project: never the workspace default.
         if body.get("scope") not in ("project", "agent", "session"):
             raise DomainError(ErrorCode.INVALID_REQUEST, "scope must be project, agent or session")
-        request = _parse(SetBinding, {**body, "project_id": p.project_id})
+        # A session binding names its session only (metering refuses a project beside it);
+        # the session's project is checked against the token below.
+        scoped = {k: v for k, v in body.items() if k != "project_id"}
+        if body["scope"] != "session":
+            scoped["project_id"] = p.project_id
+        request = _parse(SetBinding, scoped)
         if request.session_id is not None:
             await own_session(c, p, request.session_id)
         return await c(subjects.BINDINGS_SET, request, BindingSetReply)
