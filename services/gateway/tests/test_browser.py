@@ -80,10 +80,13 @@ async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browser) 
     await page.click("#ready")
     await page.locator(".brief").wait_for(timeout=30_000)
     await page.locator(".divider").wait_for(timeout=30_000)
+    assert await page.locator(".divider button").count() == 2  # the person can act on it
     await shot(page, "2-brief-and-handoff")
 
     await page.click("#close")
     await page.locator('#events li[data-type="session.closed"]').wait_for(state="attached")
+    # a closed session's offer can no longer be accepted (RN-581): no buttons left
+    await page.locator(".divider button").first.wait_for(state="detached", timeout=10_000)
 
     async def analysed() -> bool:
         async with gateway.http() as http:

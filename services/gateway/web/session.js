@@ -69,6 +69,8 @@ function onEvent(e) {
     }
     case "session.closed": case "session.closed_abnormally":
       document.getElementById("status").textContent = e.type === "session.closed" ? "closed" : `closed: ${p.reason}`;
+      // Nothing is accepted in a closed session (RN-581): its offers are no longer actionable.
+      chat.querySelectorAll(".divider button").forEach((b) => b.remove());
       break;
   }
 }
