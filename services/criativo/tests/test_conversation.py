@@ -269,3 +269,24 @@ async def test_a_brief_offered_while_po_is_active_is_refused_and_the_person_is_t
     assert len(await bus.events(second, "artifact.product_brief")) == 1  # the brief stays
     assert await bus.events(second, EventType.HANDOFF_OFFERED.value) == []
     assert await bus.db.fetchval("SELECT count(*) FROM criativo.outbox") == 0
+
+
+async def test_a_malformed_input_is_dead_lettered_and_the_others_still_answered(
+    bus: Driver,
+) -> None:
+    session = await bus.open()
+    # Not an event at all, on a subject the consumer reads (only a broken producer does this).
+    await bus.nc.jetstream().publish(
+        f"{EventType.CHAT_MESSAGE.value}.{bus.project}.{session}",
+        b"{not an event",
+        headers={"Nats-Msg-Id": "broken-1"},
+    )
+    said = await bus.say(session, "ainda aí?")
+
+    assert (await bus.outcome(session, said)).type == EventType.AGENT_RESPONSE
+    row = await wait_for(
+        lambda: bus.db.fetchrow("SELECT * FROM criativo.dead_letters WHERE msg_id = 'broken-1'"),
+        what="the malformed input in dead_letters",
+    )
+    assert row["consumer"] == "criativo-inputs"
+    assert row["reason"].startswith("permanent: not an event")
