@@ -5,6 +5,10 @@ Each iteration is one metered turn (`cmd.llm.turn`) whose `turn_id` is
 `<run_id>.<iteration>`, so a loop re-run under the same run id replays the turns
 metering already billed instead of paying for them twice. The run's budget is
 enforced by metering, which refuses a turn that does not fit before calling anything.
+
+A turn id that failed once (a provider error) can never run again in metering. A
+re-run that meets such an iteration tries it again as `<turn_id>.r1`, `.r2`…, in
+that order, so a later re-run still replays whichever attempt succeeded.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from contracts.metering import (
     TokenUsage,
     ToolResultBlock,
     ToolUseBlock,
+    TurnReply,
 )
 from harness.client import MeteringClient
 from harness.tools import Halt, PostToolHook, PreToolHook, Tool, ToolResult
@@ -28,6 +33,9 @@ from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
+
+# Attempts of one iteration after the first failed (each billed by metering).
+MAX_TURN_RETRIES = 3
 
 LoopStatus = Literal["completed", "halted", "max_iterations", "budget_exceeded", "error"]
 
@@ -109,7 +117,7 @@ class ToolLoop:
                 budget_micros=ctx.budget_micros,
             )
             try:
-                reply = await self._client.turn(turn)
+                reply = await self._turn(turn)
             except CommandFailed as exc:
                 result.status = (
                     "budget_exceeded" if exc.code == ErrorCode.BUDGET_EXCEEDED else "error"
@@ -133,6 +141,19 @@ class ToolLoop:
                 result.status, result.halt = "halted", halt
                 return result
         return result
+
+    async def _turn(self, turn: LlmTurn) -> TurnReply:
+        """The iteration's turn, retried under the next retry id while metering says an
+        earlier attempt of it already failed (see the module docstring)."""
+        attempt = turn
+        for retry in range(1, MAX_TURN_RETRIES + 1):
+            try:
+                return await self._client.turn(attempt)
+            except CommandFailed as exc:
+                if exc.code != ErrorCode.TURN_ALREADY_FAILED:
+                    raise
+                attempt = turn.model_copy(update={"turn_id": f"{turn.turn_id}.r{retry}"})
+        return await self._client.turn(attempt)
 
     async def _run_tools(
         self, calls: list[ToolUseBlock], result: LoopResult

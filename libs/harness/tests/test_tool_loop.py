@@ -10,6 +10,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
+from contracts.common import ErrorCode
 from contracts.metering import (
     ChatMessage,
     ToolResultBlock,
@@ -19,6 +20,7 @@ from contracts.metering import (
     UsageSummaryRequest,
 )
 from harness import Halt, LoopContext, MeteringClient, Tool, ToolLoop, ToolResult, stream_turn
+from metering.providers.base import ProviderError
 from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCall, ScriptStep
 from metering.testing import Metering, Starter
 from servicekit.client import call
@@ -208,3 +210,39 @@ async def test_stream_turn_publishes_deltas_on_the_sessions_subject(
     await sub.unsubscribe()
     assert [d.seq for d in deltas] == list(range(1, len(deltas) + 1))
     assert reply.content[0].type == "text" and reply.content[0].text == text
+
+
+class FailsOnce(ScriptedProvider):
+    """The scripted model, whose very first call fails as a provider outage would."""
+
+    def __init__(self) -> None:
+        super().__init__(SCRIPT)
+        self.attempts = 0
+
+    async def complete(self, request: Any, progress: Any, on_text: Any = None) -> Any:
+        self.attempts += 1
+        if self.attempts == 1:
+            raise ProviderError(ErrorCode.PROVIDER_ERROR, "the provider fell over")
+        return await super().complete(request, progress, on_text)
+
+
+async def test_a_rerun_retries_a_failed_turn_under_a_retry_id_and_then_replays_it(
+    nc: Client, start_metering: Starter
+) -> None:
+    provider = FailsOnce()
+    await start_metering(provider=provider)
+    loop = ToolLoop(MeteringClient(nc), [], max_iterations=2)
+    ctx = context("talker")
+
+    failed = await loop.run(ctx)
+    assert (failed.status, failed.error_code) == ("error", "provider_error")
+    retried = await loop.run(ctx)  # the same run: iteration 1's id already failed in metering
+    assert (retried.status, retried.final_text) == (
+        "completed",
+        "Olá! Vamos desenhar a sua padaria juntos.",
+    )
+    replayed = await loop.run(ctx)  # once more: the successful retry is replayed, not re-billed
+    assert replayed.status == "completed"
+    assert provider.attempts == 2
+    calls, _ = await run_cost(nc, ctx.run_id)
+    assert calls == 2  # the failed call and its retry, each billed once

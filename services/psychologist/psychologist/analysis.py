@@ -48,9 +48,16 @@ log = get_logger(__name__)
 
 EMIT_HYPOTHESES = "emit_hypotheses"
 TriggeredBy = Literal["auto", "manual"]
-# Metering refusals a later delivery may not get: the run can go on under the same ids.
+# Metering refusals a later delivery may not get: the run goes on under the same ids
+# (a failed provider turn is tried again under a retry id by the ToolLoop).
 RETRYABLE_CODES = frozenset(
-    {ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value, ErrorCode.TURN_IN_PROGRESS.value}
+    {
+        ErrorCode.UNAVAILABLE.value,
+        ErrorCode.INTERNAL.value,
+        ErrorCode.TURN_IN_PROGRESS.value,
+        ErrorCode.PROVIDER_ERROR.value,
+        ErrorCode.PROVIDER_OVERLOADED.value,
+    }
 )
 MAX_REASON_CHARS = 3000
 CLOSINGS = frozenset({EventType.SESSION_CLOSED, EventType.SESSION_CLOSED_ABNORMALLY})
