@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import Browser, Page, async_playwright
 
+from contracts.events import EventType
 from servicekit.testing import wait_for
 
 from .conftest import Gateway
@@ -84,7 +85,8 @@ async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browser) 
     await shot(page, "2-brief-and-handoff")
 
     await page.click("#close")
-    await page.locator('#events li[data-type="session.closed"]').wait_for(state="attached")
+    closed = EventType.SESSION_CLOSED.value
+    await page.locator(f'#events li[data-type="{closed}"]').wait_for(state="attached")
     # a closed session's offer can no longer be accepted (RN-581): no buttons left
     await page.locator(".divider button").first.wait_for(state="detached", timeout=10_000)
 

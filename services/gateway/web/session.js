@@ -1,3 +1,4 @@
+// Event types are the wire contract's (contracts/contracts/events.py, contracts/asyncapi.json).
 // The session page: chat streaming token by token, rule cards, readiness, the brief
 // and the handoff divider, agent errors, and the event log (?highlightEvent=<id>).
 import { el, header, params, token } from "/common.js";

@@ -292,7 +292,7 @@ async def test_metering_streams_and_bills_through_the_sdk_at_anthropic_base_url(
             MESSAGE_STOP,
         )
     )
-    subject = f"agent.delta.proj.{uuid.uuid4()}"
+    subject = subjects.delta_subject("proj", uuid.uuid4())
     deltas: list[TurnDelta] = []
 
     async def collect(msg: Msg) -> None:
