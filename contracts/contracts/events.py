@@ -119,6 +119,8 @@ class AgentResponse(Message):
     text: str
     turn_id: str | None = None
     usage: TurnUsage | None = None
+    # The person pressed Stop: `text` is the part written before the stream was cut.
+    stopped: bool = False
 
 
 class AgentError(Message):

@@ -15,6 +15,7 @@ from pydantic import Field, StringConstraints
 
 from contracts.common import AgentSlug, Message
 from contracts.events import Event, Utterance
+from contracts.metering import TurnId
 
 Ref = Annotated[str, StringConstraints(min_length=1, max_length=100)] | None
 
@@ -75,6 +76,14 @@ class CloseSessionFrame(Message):
     ref: Ref = None
 
 
+class StopTurn(Message):
+    """The person pressed Stop while an answer of the joined session streams."""
+
+    type: Literal["stop_turn"]
+    turn_id: TurnId
+    ref: Ref = None
+
+
 class Heartbeat(Message):
     """The client is still there (the gateway also beats on its own while connected)."""
 
@@ -90,6 +99,7 @@ ClientFrame = Annotated[
     | AcceptHandoff
     | RejectHandoff
     | CloseSessionFrame
+    | StopTurn
     | Heartbeat,
     Field(discriminator="type"),
 ]

@@ -111,6 +111,27 @@ class LlmStream(LlmTurn):
     causation_id: UUID | None = None
 
 
+class CancelTurn(Message):
+    """`cmd.llm.cancel`: stop a running `cmd.llm.stream` turn of this project's session.
+
+    The provider stream is aborted, no delta follows, the turn's `TurnReply` comes
+    back with `stop_reason: "cancelled"` and the text produced so far, and its
+    `token_usage` row has status `cancelled` with the usage consumed up to the abort.
+    A turn of another project or session is never touched.
+    """
+
+    turn_id: TurnId
+    project_id: ProjectId
+    session_id: UUID
+
+
+class CancelReply(Message):
+    """`cancelling`: the replica running the turn was told; `finished`: it had already ended."""
+
+    turn_id: TurnId
+    status: Literal["cancelling", "finished"]
+
+
 class TokenUsage(Message):
     """Tokens one call consumed, as the provider reported them (cumulative, never summed)."""
 
@@ -126,6 +147,8 @@ class TurnReply(Message):
 
     turn_id: TurnId
     content: list[ReplyBlock]
+    # The provider's stop reason, or "cancelled" when `cmd.llm.cancel` stopped the
+    # stream (`content` then holds the text produced up to the abort).
     stop_reason: str
     model: ModelName
     usage: TokenUsage

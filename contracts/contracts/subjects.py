@@ -20,12 +20,18 @@ EVENTS_QUERY = "cmd.events.query"
 # metering
 LLM_TURN = "cmd.llm.turn"
 LLM_STREAM = "cmd.llm.stream"
+# Stops a running stream (the person's Stop button). The one metering command the
+# gateway may call: it can only end spending, never start it.
+LLM_CANCEL = "cmd.llm.cancel"
 BINDINGS_SET = "cmd.bindings.set"
 BINDINGS_LIST = "cmd.bindings.list"
 BINDINGS_RESOLVE = "cmd.bindings.resolve"
 USAGE_SUMMARY = "cmd.usage.summary"
 # Core NATS, not a stream: tells every metering replica to reload its binding cache.
 BINDINGS_CHANGED = "metering.bindings_changed"
+# Core NATS, not a stream: a cancel received by one metering replica, told to all,
+# so the replica that runs the turn aborts its provider stream.
+TURN_CANCELLED = "metering.turn_cancelled"
 
 # handoff
 HANDOFFS_OFFER = "cmd.handoffs.offer"

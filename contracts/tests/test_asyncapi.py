@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from contracts import subjects
-from contracts.asyncapi import COMMANDS, DOCUMENT_PATH, PROJECT, REGENERATE, SESSION, build_document
+from contracts.asyncapi import DOCUMENT_PATH, PROJECT, REGENERATE, SESSION, build_document
+from contracts.catalog import COMMANDS
 from contracts.common import ErrorReply, Message
 from contracts.events import PAYLOADS, EventType
 
