@@ -12,10 +12,16 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from playwright.async_api import Browser, Page, async_playwright
 
+from contracts import subjects
 from contracts.events import EventType
+from contracts.metering import CancelReply, CancelTurn, TurnDelta
+from contracts.session_events import AppendedReply, AppendEvent
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
+from servicekit.client import call
 from servicekit.testing import wait_for
 
 from .conftest import Gateway
@@ -269,3 +275,108 @@ async def test_a_message_typed_while_disconnected_is_sent_on_reconnect(
     assert [kind for kind, _ in bubbles] == ["user", "agent"], bubbles
     assert bubbles[0][1] == "escrito sem rede"
     await context.close()
+
+
+# --- a turn played by the test itself: its deltas on the bus, its outcome in the log ----
+
+
+async def session_on_page(gateway: Gateway, page: Page) -> str:
+    """A session without any agent started, open in the page; its id."""
+    await page.goto(f"{gateway.url}/?token={gateway.token()}")
+    await page.click("#new-session")
+    await page.wait_for_url("**/session.html?id=*")
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    return page.url.split("id=")[1]
+
+
+async def event_id(page: Page, event_type: str) -> str:
+    item = page.locator(f'#events li[data-type="{event_type}"]').first
+    await item.wait_for(state="attached")
+    return ((await item.get_attribute("id")) or "").removeprefix("event-")
+
+
+async def play_deltas(
+    nc: Client, gateway: Gateway, session: str, cause: str, turn: str, words: list[str]
+) -> None:
+    js = nc.jetstream()
+    for seq, word in enumerate(words, start=1):
+        delta = TurnDelta(turn_id=turn, seq=seq, text=word, emitted_at=0.0, causation_id=cause)
+        await js.publish(
+            subjects.delta_subject(gateway.project, session), delta.model_dump_json().encode()
+        )
+
+
+async def append(
+    nc: Client, session: str, kind: str, payload: dict[str, object], cause: str
+) -> None:
+    await call(
+        nc,
+        subjects.EVENTS_APPEND,
+        AppendEvent(
+            session_id=session,
+            type=kind,
+            actor="agent:criativo",
+            payload=payload,
+            causation_id=cause,
+        ),
+        AppendedReply,
+    )
+
+
+@pytest.mark.timeout(60)
+async def test_the_brief_is_shown_being_written_then_as_its_card(
+    gateway: Gateway, browser: Browser, nc: Client
+) -> None:
+    page = await browser.new_page()
+    session = await session_on_page(gateway, page)
+    await page.click("#ready")
+    readiness = await event_id(page, EventType.CRIATIVO_READINESS_CONFIRMED.value)
+    words = ['{"title": ', '"Receitas", ', '"summary": ', '"Um app"}']
+    await play_deltas(nc, gateway, session, readiness, "criativo.consolidation.1", words)
+    writing = page.locator(".brief-writing")
+    await page.wait_for_function(
+        "document.querySelector('.brief-writing')?.textContent.includes('Um app')"
+    )
+    assert "Writing the brief" in (await writing.text_content() or "")
+    await shot(page, "9-brief-being-written")
+    brief = {"title": "Receitas", "summary": "Um app de receitas"}
+    await append(nc, session, EventType.ARTIFACT_PRODUCT_BRIEF.value, brief, readiness)
+    await page.locator(".brief").wait_for()
+    assert await writing.count() == 0, "the brief being written was not replaced by its card"
+    assert await page.locator(".brief").text_content() == "Brief: ReceitasUm app de receitas"
+
+
+@pytest.mark.timeout(60)
+async def test_stop_sends_the_streaming_turn_and_shows_the_answer_as_stopped(
+    gateway: Gateway, browser: Browser, nc: Client
+) -> None:
+    """The page's half of Stop; metering's cancel is stood in for by a responder."""
+    asked: list[CancelTurn] = []
+
+    async def cancel(msg: Msg) -> None:
+        request = CancelTurn.model_validate_json(msg.data)
+        asked.append(request)
+        reply = CancelReply(turn_id=request.turn_id, status="cancelling")
+        await msg.respond(reply.model_dump_json().encode())
+
+    sub = await nc.subscribe(subjects.LLM_CANCEL, cb=cancel)
+    page = await browser.new_page()
+    session = await session_on_page(gateway, page)
+    assert await page.locator("#stop").is_hidden()  # nothing streams yet
+    cause = await event_id(page, EventType.SESSION_OPENED.value)
+    await play_deltas(nc, gateway, session, cause, "criativo.run.1.1", ["Uma ", "resposta ", "lon"])
+    await page.locator("#stop").wait_for(state="visible")
+    await page.click("#stop")
+    await wait_for(lambda: asked, what="cmd.llm.cancel")
+    assert asked == [
+        CancelTurn(turn_id="criativo.run.1.1", project_id=gateway.project, session_id=session)
+    ]
+    await sub.unsubscribe()
+    stopped = {"agent": "criativo", "text": "Uma resposta lon", "stopped": True}
+    await append(nc, session, EventType.AGENT_RESPONSE.value, stopped, cause)
+    answer = page.locator(".msg.agent.stopped")
+    await answer.wait_for()
+    assert await answer.text_content() == "Uma resposta lon (stopped)"
+    assert await page.locator("#stop").is_hidden()
+    assert await page.locator(".msg.streaming").count() == 0
+    await shot(page, "10-stopped-answer")
