@@ -9,11 +9,11 @@ const MAX_RETRY_MS = 10_000;
 export class Connection {
   // onFrame(frame): every frame; onState(state, detail): "connecting" | "live" |
   // "reconnecting" (detail: seconds until the next try) | "refused";
-  // onJoined(): the session is followed again (send what waited for the connection).
-  constructor({ url, join, onFrame, onState, onJoined }) {
-    Object.assign(this, { url, join, onFrame, onState, onJoined });
+  // onOpen(): a new socket is open and its join sent (send what waited for it);
+  // onLost(): the socket is gone (what was sent on it and not answered may be lost).
+  constructor({ url, join, onFrame, onState, onOpen, onLost }) {
+    Object.assign(this, { url, join, onFrame, onState, onOpen, onLost });
     this.failures = 0;
-    this.joined = false;
     this.ws = null;
   }
 
@@ -21,20 +21,23 @@ export class Connection {
     this.onState("connecting");
     const ws = new WebSocket(this.url);
     this.ws = ws;
-    ws.onopen = () => ws.send(JSON.stringify({ ...this.join(), ref: "join" }));
+    // The gateway carries out one connection's frames in order, so whatever is sent
+    // after the join acts in the joined session, even before the join's ack arrives.
+    ws.onopen = () => {
+      ws.send(JSON.stringify({ ...this.join(), ref: "join" }));
+      this.onOpen();
+    };
     ws.onmessage = (m) => {
       const frame = JSON.parse(m.data);
       if (frame.type === "ack" && frame.of === "join") {
-        this.joined = true;
         this.failures = 0;
         this.onState("live");
-        this.onJoined();
       }
       this.onFrame(frame);
     };
     ws.onclose = (c) => {
       if (this.ws !== ws) return; // an old socket closing late
-      this.joined = false;
+      this.onLost();
       if (c.code === CLOSE_UNAUTHORIZED) { this.onState("refused"); return; }
       const ceiling = Math.min(MAX_RETRY_MS, FIRST_RETRY_MS * 2 ** this.failures);
       const wait = ceiling / 2 + Math.random() * (ceiling / 2);
@@ -45,7 +48,7 @@ export class Connection {
   }
 
   // Whether a frame can go now; a caller with something that must not be lost queues it.
-  get live() { return this.joined && this.ws && this.ws.readyState === WebSocket.OPEN; }
+  get live() { return this.ws !== null && this.ws.readyState === WebSocket.OPEN; }
 
   send(frame) {
     if (!this.live) return false;

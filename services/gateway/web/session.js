@@ -217,10 +217,10 @@ const conn = new Connection({
     connState.dataset.state = state;
     connState.textContent = state === "reconnecting" ? `reconnecting in ${seconds} s…` : STATES[state];
   },
-  onJoined: () => {
-    for (const item of pending) item.sent = false; // unacknowledged: send again, harmlessly
-    flushPending();
-  },
+  onOpen: flushPending,
+  // Unacknowledged messages are sent again on the next socket: harmless, the gateway
+  // appends a `client_msg_id` once.
+  onLost: () => { for (const item of pending) item.sent = false; },
 });
 window.agentbusConnection = conn; // for the browser tests, which drop it as a network would
 pending.forEach(showPending);
