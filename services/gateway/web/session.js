@@ -90,7 +90,7 @@ function liveBubble(cause) {
     ? el("div", { class: "brief-writing" }, el("strong", {}, "Writing the brief…"), el("p", {}, body))
     : el("div", { class: "msg agent streaming" }, body);
   chat.append(node);
-  live = { node, body, turns: new Map() };
+  live = { node, body, turns: new Map(), top: new Map() }; // top: highest seq per turn
   streaming.set(cause, live);
   return live;
 }
@@ -110,7 +110,13 @@ function onDelta(d) {
   live.turns.set(d.turn_id, deltas);
   if (deltas.has(d.seq)) return; // replayed after a reconnect
   deltas.set(d.seq, d.text);
-  live.body.textContent = streamText(live);
+  // The usual case, the next piece of the turn, costs one text node; a piece that fills
+  // a gap (missed while disconnected) has the whole text laid out again in order.
+  const top = live.top.get(d.turn_id) || 0;
+  live.top.set(d.turn_id, Math.max(top, d.seq));
+  const atEnd = [...live.turns.keys()].pop() === d.turn_id && d.seq === top + 1;
+  if (atEnd && deltas.size === d.seq) live.body.append(d.text);
+  else live.body.textContent = streamText(live);
   lastTurn = d.turn_id;
   stopButton.hidden = false;
   chat.scrollTop = chat.scrollHeight;
