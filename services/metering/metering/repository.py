@@ -199,6 +199,17 @@ class MeteringRepository:
         reply = TurnReply.model_validate(row["reply"]) if row["reply"] is not None else None
         return EndedTurn(row["status"], row["error_code"], reply)
 
+    async def turn_ended(self, turn_id: str, project_id: str, session_id: UUID) -> bool:
+        """Whether this project's session has a usage row for the turn (it ran to its end)."""
+        found = await self._pool.fetchval(
+            """SELECT true FROM token_usage
+                WHERE turn_id = $1 AND project_id = $2 AND session_id = $3""",
+            turn_id,
+            project_id,
+            session_id,
+        )
+        return bool(found)
+
     async def bindings(self) -> list[Binding]:
         """Every binding (the table is small: the cache holds all of it)."""
         rows = await self._pool.fetch(f"SELECT {BINDING_COLUMNS} FROM bindings ORDER BY id")
