@@ -77,10 +77,16 @@ def build_provider(settings: MeteringSettings, script: Script | None = None) -> 
     return ScriptedProvider(script)
 
 
-async def main(settings: MeteringSettings | None = None, provider: Provider | None = None) -> None:
-    """Serve metering's commands until stopped (tests pass their own provider here)."""
+async def main(
+    settings: MeteringSettings | None = None,
+    provider: Provider | None = None,
+    cancels: Cancellations | None = None,
+) -> None:
+    """Serve metering's commands until stopped (tests pass their own provider, and the
+    cancels they watch, here)."""
     settings = settings or MeteringSettings()
     provider = provider or build_provider(settings)
+    cancels = cancels or Cancellations(settings.cancel_memory_seconds)
     async with open_runtime(SERVICE, SCHEMA, ["metering.migrations"], settings) as rt:
         repo = MeteringRepository(rt.pool)
         catalog = Catalog(repo)
@@ -92,7 +98,6 @@ async def main(settings: MeteringSettings | None = None, provider: Provider | No
             ),
             "hold-sweeper",
         )
-        cancels = Cancellations(settings.cancel_memory_seconds)
         # Listening before serving: a replica hears every cancel of the streams it runs.
         cancel_sub = await cancels.subscribe(rt.nc)
         runner = TurnRunner(repo, catalog, provider, rt.nc, cancels)

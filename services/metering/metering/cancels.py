@@ -81,7 +81,8 @@ class Cancellations:
         self._running: dict[str, RunningTurn] = {}
         # key -> when it is forgotten; insertion order is expiry order (one TTL for all)
         self._early: OrderedDict[TurnKey, float] = OrderedDict()
-        self.stopped = 0  # streams this replica stopped (for tests and logs)
+        self.heard = 0  # cancels this replica heard announced (for tests and logs)
+        self.stopped = 0  # streams this replica stopped
 
     def start(
         self, turn_id: str, project_id: str, session_id: UUID | None, task: asyncio.Future[Any]
@@ -125,6 +126,10 @@ class Cancellations:
         while len(self._early) > self._max:
             self._early.popitem(last=False)
 
+    def running(self, turn_id: str) -> bool:
+        """Whether this replica runs the stream `turn_id` now."""
+        return turn_id in self._running
+
     def _stop(self, turn: RunningTurn) -> None:
         if turn.stop():
             self.stopped += 1
@@ -151,6 +156,7 @@ class Cancellations:
             except ValidationError as exc:  # only metering publishes here; never crash on it
                 log.warning("turn_cancel_unreadable", error=str(exc)[:500])
                 return
+            self.heard += 1
             self.cancel(order)
 
         sub = await nc.subscribe(subjects.TURN_CANCELLED, cb=on_cancel)
