@@ -107,8 +107,10 @@ async def main(
             await wait_until_stopped(rt)
         finally:
             await service.stop()
-            await cancel_sub.unsubscribe()
+            # Still listening while the turns in flight finish: a person can stop a
+            # stream of a replica that is shutting down (another replica serves the cancel).
             await endpoints.drain()
+            await cancel_sub.unsubscribe()
             await provider.close()
 
 

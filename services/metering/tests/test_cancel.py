@@ -8,10 +8,13 @@ checked after each stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -521,3 +524,67 @@ def test_a_cut_streams_output_is_estimated_from_its_text(
     events: int, chars: int, tokens: int
 ) -> None:
     assert estimate_output_tokens(events, chars) == tokens
+
+
+# --- two replicas as real processes -------------------------------------------------------
+
+
+async def ping_pids(nc: Client) -> set[str]:
+    """The pids of the metering replicas that answer `$SRV.PING` (serving commands)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish("$SRV.PING.metering", b"", reply=inbox)
+    pids: set[str] = set()
+    with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+        while True:
+            msg = await sub.next_msg(timeout=0.3)
+            if msg.data:
+                pids.add((json.loads(msg.data).get("metadata") or {}).get("pid", ""))
+    await sub.unsubscribe()
+    return pids
+
+
+async def test_a_replica_shutting_down_still_stops_its_stream_when_another_serves_the_cancel(
+    nc: Client, spawn: Any, database_url: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "script.json"
+    script.write_text(SCRIPT.model_dump_json(), encoding="utf-8")
+    env = {"AGENTBUS_PROVIDER": "scripted", "AGENTBUS_SCRIPT_PATH": str(script)}
+    first = spawn("metering", **env)
+    await first.wait_ready(nc, "metering")
+    cmd = stream("long", budget_micros=1_000_000)
+    deltas = await watch(nc, cmd)
+    reply_task = start(nc, cmd)  # the only replica runs it
+    await wait_for(lambda: len(deltas.of(cmd.turn_id)) >= 2, what="the stream to run")
+
+    second = spawn("metering", **env)
+    await second.wait_ready(nc, "metering")
+    # A rolling restart: the first replica stops taking commands and finishes its turns
+    # in flight, so the cancel can only be served by the second one.
+    first.process.send_signal(signal.SIGTERM)
+
+    async def only_second() -> bool:
+        return await ping_pids(nc) == {str(second.pid)}
+
+    await wait_for(only_second, what="the first replica to stop serving", timeout=LONG)
+    assert not reply_task.done()
+
+    assert (await cancel(nc, order(cmd))).status == "cancelling"
+    reply = await reply_task
+    assert reply.stop_reason == "cancelled"
+    [block] = reply.content
+    assert block.type == "text" and len(block.text.split()) < 400
+    assert await asyncio.to_thread(first.wait_exit) == 0
+    await wait_for(lambda: deltas.text(cmd.turn_id) == block.text, what="the deltas sent")
+
+    db = await asyncpg.connect(database_url, server_settings={"search_path": "metering"})
+    try:
+        row, hold, run = await billed(db, cmd)
+    finally:
+        await db.close()
+    assert (row["status"], row["output_tokens"]) == ("cancelled", len(block.text.split()))
+    assert (hold["status"], run["spent_micros"], run["reserved_micros"]) == (
+        "settled",
+        row["cost_micros"],
+        0,
+    )
