@@ -270,7 +270,8 @@ class MeteringRepository:
                           AS day,
                       CASE WHEN $6 THEN run_id END AS run,
                       count(*) AS calls,
-                      count(*) FILTER (WHERE status <> 'ok') AS errors,
+                      -- a stream the person stopped is not an error (no error_code)
+                      count(*) FILTER (WHERE error_code IS NOT NULL) AS errors,
                       sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens,
                       sum(cache_write_5m_tokens) AS cache_write_5m_tokens,
                       sum(cache_write_1h_tokens) AS cache_write_1h_tokens,

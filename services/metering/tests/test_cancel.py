@@ -33,6 +33,8 @@ from contracts.metering import (
     TokenUsage,
     TurnDelta,
     TurnReply,
+    UsageSummaryReply,
+    UsageSummaryRequest,
 )
 from domain.metering import cost_micros
 from metering.cancels import Cancellations
@@ -221,6 +223,14 @@ async def test_a_cancel_stops_a_scripted_stream_and_bills_what_it_wrote(
     assert (run["spent_micros"], run["reserved_micros"]) == (reply.cost_micros, 0)
     assert reply.budget_remaining_micros == 1_000_000 - reply.cost_micros
     assert not running.cancels.running(cmd.turn_id)
+    summary = await call(
+        nc,
+        subjects.USAGE_SUMMARY,
+        UsageSummaryRequest(group_by=["run"], run_id=cmd.run_id),
+        UsageSummaryReply,
+    )
+    [group] = summary.groups  # billed, and not counted as an error
+    assert (group.calls, group.errors, group.cost_micros) == (1, 0, reply.cost_micros)
 
     # The stopped turn is over: asked again, it is its stored reply, nothing is called.
     calls = running.calls
