@@ -7,7 +7,8 @@ so the decision is taken on the log as it stands, not on what this replica last 
   it is active in the session, otherwise by the plain stateless chat;
 - a message whose `agent.response` (or `agent.error`) is in the log is not answered
   again, and every record is appended with an idempotency key derived from the
-  message, so even two turns racing past an expired lease leave one answer;
+  message (a rule: from the message and its tool_use id), so even two turns racing
+  past an expired lease leave one answer and one artifact per tool call;
 - a readiness confirmation gets the consolidation turn, the brief and the offer.
 """
 
@@ -85,30 +86,31 @@ class SessionWork:
             conv = await self.catch_up(conv)
             if event.type is EventType.CHAT_MESSAGE:
                 for message_id in conv.pending_before(event.seq):
-                    conv = await self._answer(conv, message_id, deliveries)
+                    conv = await self._answer(conv, message_id)
                 return conv
-            return await self._readiness(conv, event.id, deliveries)
+            return await self._readiness(conv, event)
 
-    async def _answer(self, conv: Conversation, message_id: UUID, attempt: int) -> Conversation:
+    async def _answer(self, conv: Conversation, message_id: UUID) -> Conversation:
         action = rules.decide(conv, EventType.CHAT_MESSAGE, message_id)
-        said = next(u for u in conv.utterances if u.event_id == message_id)
+        said = conv.message(message_id)
         if action is Action.ANSWER_WITH_CRIATIVO:
             agent = rules.CRIATIVO
 
-            async def record(rule: BusinessRule, n: int) -> UUID:
+            async def record(rule: BusinessRule, tool_use_id: str) -> UUID:
+                # One tool call, one artifact: a replayed turn repeats the tool_use id.
                 return await self._log.append(
                     conv.session_id,
                     EventType.ARTIFACT_BUSINESS_RULE,
                     rules.CRIATIVO_ACTOR,
                     rule,
                     message_id,
-                    f"criativo:rule:{message_id}:{n}",
+                    f"criativo:rule:{message_id}:{tool_use_id}",
                 )
 
-            run = self._turns.criativo(conv, message_id, said.seq, attempt, record)
+            run = self._turns.criativo(conv, message_id, record)
         elif action is Action.ANSWER_PLAINLY:
             agent = rules.PLAIN_CHAT
-            run = self._turns.plain(conv, message_id, said.text, attempt)
+            run = self._turns.plain(conv, message_id, said.text)
         else:
             return conv
         try:
@@ -170,13 +172,12 @@ class SessionWork:
             done.model_dump_json().encode(),
         )
 
-    async def _readiness(
-        self, conv: Conversation, readiness_id: UUID, attempt: int
-    ) -> Conversation:
+    async def _readiness(self, conv: Conversation, readiness: Event) -> Conversation:
+        readiness_id = readiness.id
         action = rules.decide(conv, EventType.CRIATIVO_READINESS_CONFIRMED, readiness_id)
         if action is Action.CONSOLIDATE:
             try:
-                outcome = await self._turns.consolidate(conv, readiness_id, attempt)
+                outcome = await self._turns.consolidate(conv, readiness_id, readiness.seq)
             except TurnFailed as exc:
                 await self._failed(conv, rules.CRIATIVO, readiness_id, exc)
                 return await self.catch_up(conv)

@@ -290,3 +290,45 @@ async def test_a_malformed_input_is_dead_lettered_and_the_others_still_answered(
     )
     assert row["consumer"] == "criativo-inputs"
     assert row["reason"].startswith("permanent: not an event")
+
+
+async def test_a_message_typed_during_a_turn_gets_its_own_answer_and_no_rule_twice(
+    bus: Driver,
+) -> None:
+    # Issue 10: "RULE: …", then a second message while that turn still streams.
+    session = await bus.open()
+    seen = await bus.watch(session)
+    rule_message = await bus.say(session, "RULE: every order needs an invoice.")
+    await wait_for(lambda: seen.deltas, what="the rule message's turn to stream")
+    second = await bus.say(session, "Orders are picked up in the shop.")
+    first_answer = await bus.outcome(session, rule_message)
+    second_answer = await bus.outcome(session, second)
+    said_second = next(e for e in await bus.events(session) if e.id == second)
+    assert said_second.seq < first_answer.seq, "typed while the first turn ran"
+
+    rules = await bus.events(session, "artifact.business_rule")
+    origins = [r.payload["origin"] for r in rules]
+    assert origins.count([str(rule_message)]) == 1, origins
+    # The second message's prompt: the rule message, the answer it got, then it, last.
+    asked = [
+        r
+        for r in bus.provider.requests
+        if isinstance(r.messages[-1].content, str) and str(second) in r.messages[-1].content
+    ]
+    assert asked, "the second message never reached the model as the message to answer"
+    prompt = asked[0].messages
+    assert [m.role for m in prompt] == ["user", "assistant", "user"]
+    assert str(rule_message) in str(prompt[0].content)
+    assert prompt[1].content == first_answer.payload["text"]
+    assert "RULE" not in str(prompt[2].content)
+    assert second_answer.type is EventType.AGENT_RESPONSE
+    # and a later message reads both exchanges, in order
+    third = await bus.say(session, "e depois?")
+    await bus.outcome(session, third)
+    later = next(
+        r for r in bus.provider.requests if str(third) in str(r.messages[-1].content)
+    ).messages
+    assert [str(m.content) for m in later[1:4:2]] == [
+        first_answer.payload["text"],
+        second_answer.payload["text"],
+    ]

@@ -99,3 +99,33 @@ async def test_two_replicas_run_each_sessions_turns_in_one_place_at_a_time(
         for before, after in itertools.pairwise(turns):
             assert before["finished_at"] <= after["started_at"], "a session ran in two places"
     assert set(holders) == {"replica-a", "replica-b"}
+
+
+async def test_a_turn_replayed_after_a_crash_records_its_rule_once(
+    driver: Driver, spawn: Any, nc: Client
+) -> None:
+    # Killed right after the rule's append, before the turn's next call and its answer.
+    criativo = spawn("criativo", AGENTBUS_FAULT_POINTS="criativo.after_rule", **FAST_RETRIES)
+    await criativo.wait_ready(nc, "criativo")
+    session = await driver.open()
+    message = await driver.say(session, "Pedidos fecham às 18h")
+    await asyncio.to_thread(criativo.wait_exit)
+    assert len(await driver.events(session, "artifact.business_rule")) == 1
+    assert await driver.events(session, "agent.response") == []
+
+    criativo.start(**FAST_RETRIES)
+    await criativo.wait_ready(nc, "criativo")
+    answer = await driver.outcome(session, message)
+    assert answer.type.value == "agent.response"
+    rules = await driver.events(session, "artifact.business_rule")
+    assert [r.payload["origin"] for r in rules] == [[str(message)]]
+    # The redelivered turn replayed the call metering had already answered (same
+    # tool_use id, so the same rule event), and the model was asked once.
+    asked = [
+        r
+        for r in driver.provider.requests
+        if isinstance(r.messages[-1].content, str) and str(message) in r.messages[-1].content
+    ]
+    assert len(asked) == 1
+    turns = [row["turn_id"] for row in await driver.usage(session)]
+    assert turns == [f"criativo.{message}.1", f"criativo.{message}.2"]
