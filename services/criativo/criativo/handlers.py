@@ -129,6 +129,7 @@ class SessionWork:
             text=outcome.text,
             turn_id=outcome.turn_ids[-1] if outcome.turn_ids else None,
             usage=outcome.turn_usage(),
+            stopped=outcome.stopped,
         )
         response_id = await self._log.append(
             conv.session_id,

@@ -4,6 +4,9 @@
   deltas go to the session's `agent.delta.<project>.<session>`; tool calls
   (`emit_artifact`) run between calls and their results go back to the model, so a
   refused rule is corrected on the next call. The person sees every call's text.
+  A call the person stopped (`stop_reason` "cancelled", from `cmd.llm.cancel`) ends
+  the answer at once: its tool calls never run, and the answer is the text written
+  so far, marked stopped (`domain.criativo.after_call`).
 - `plain`: the chat of sessions without Criativo (DESIGN.md flow 1): one streaming,
   stateless call with the current message only, agent slug `chat`.
 - `consolidate`: the brief after readiness, one whole-reply call with no tools —
@@ -42,7 +45,7 @@ from contracts.metering import (
     TurnReply,
 )
 from domain import criativo as rules
-from domain.criativo import Conversation
+from domain.criativo import Conversation, NextStep
 from domain.errors import DomainError
 from harness import MeteringClient, Tool, ToolResult
 from servicekit.client import CommandFailed
@@ -82,6 +85,8 @@ class TurnOutcome:
     cost_micros: int = 0
     model: str = ""
     rules: list[UUID] = field(default_factory=list)
+    # The person pressed Stop: `text` is what was written up to then.
+    stopped: bool = False
 
     def add(self, reply: TurnReply) -> None:
         self.usage = TokenUsage(
@@ -187,7 +192,9 @@ class Turns:
             outcome.add(reply)
             texts.extend(b.text for b in reply.content if isinstance(b, TextBlock) and b.text)
             calls = [b for b in reply.content if isinstance(b, ToolUseBlock)]
-            if not calls:
+            step = rules.after_call(reply.stop_reason, len(calls))
+            if step is not NextStep.RUN_TOOLS:
+                outcome.stopped = step is NextStep.STOPPED
                 break
             results: list[ToolResultBlock] = []
             for call in calls:
@@ -297,6 +304,7 @@ def _one_turn(reply: TurnReply, turn_ids: list[str]) -> TurnOutcome:
     outcome = TurnOutcome(
         text="".join(b.text for b in reply.content if isinstance(b, TextBlock)),
         turn_ids=turn_ids,
+        stopped=rules.after_call(reply.stop_reason, 0) is NextStep.STOPPED,
     )
     outcome.add(reply)
     return outcome

@@ -37,7 +37,13 @@ from metering.providers.base import (
     ProviderReply,
     ProviderRequest,
 )
-from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCall, ScriptStep
+from metering.providers.scripted import (
+    UUID_PATTERN,
+    Script,
+    ScriptedProvider,
+    ScriptedToolCall,
+    ScriptStep,
+)
 from metering.testing import Metering, Starter
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
@@ -105,6 +111,30 @@ def rule_step(request: ProviderRequest) -> ScriptStep | None:
     return ScriptStep(text=RULE_WORDS, tool_calls=calls, token_delay_ms=30)
 
 
+def _answering(request: ProviderRequest) -> str:
+    """The message being answered: the last user turn written as text."""
+    texts = [m.content for m in request.messages if m.role == "user" and isinstance(m.content, str)]
+    return texts[-1] if texts else ""
+
+
+def _rule_for(request: ProviderRequest) -> ScriptedToolCall:
+    mid = UUID_PATTERN.findall(_answering(request))[-1]
+    rule = {"type": "business_rule", "title": "Parte", "statement": "parte", "origin": [mid]}
+    return ScriptedToolCall(name="emit_artifact", input=rule)
+
+
+def stop_step(request: ProviderRequest) -> ScriptStep | None:
+    """STOP-LATER: a first call that records a rule, then a second call the person stops
+    (metering replies `cancelled` with the text so far, and a tool call it cut)."""
+    if "STOP-LATER" not in _answering(request):
+        return None
+    if isinstance(request.messages[-1].content, str):
+        return ScriptStep(text="Primeira parte.", tool_calls=[_rule_for(request)])
+    return ScriptStep(
+        text="Segunda parte, interrom", tool_calls=[_rule_for(request)], stop_reason="cancelled"
+    )
+
+
 class RecordingProvider(ScriptedProvider):
     """The scripted provider, keeping every request it was asked (what the model read)."""
 
@@ -121,7 +151,7 @@ class RecordingProvider(ScriptedProvider):
         if self.failures > 0:
             self.failures -= 1
             raise ProviderError(ErrorCode.PROVIDER_ERROR, "the provider failed after retries")
-        step = rule_step(request)
+        step = rule_step(request) or stop_step(request)
         if step is not None:
             self.calls += 1
             once = ScriptedProvider(Script(steps=[step]))

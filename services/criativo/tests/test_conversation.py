@@ -332,3 +332,29 @@ async def test_a_message_typed_during_a_turn_gets_its_own_answer_and_no_rule_twi
         first_answer.payload["text"],
         second_answer.payload["text"],
     ]
+
+
+async def test_a_stopped_answer_is_recorded_as_far_as_it_went_and_read_later(
+    bus: Driver,
+) -> None:
+    session = await bus.open()
+    seen = await bus.watch(session)
+    message = await bus.say(session, "STOP-LATER conte tudo")
+    response = await bus.outcome(session, message)
+    assert response.type is EventType.AGENT_RESPONSE
+    assert response.payload["stopped"] is True
+    # the text of the call before the stop, then the part written before it
+    assert response.payload["text"] == "Primeira parte.\n\nSegunda parte, interrom"
+    # the first call's rule is kept; the stopped call's tool call never ran
+    rules = await bus.events(session, "artifact.business_rule")
+    assert len(rules) == 1 and rules[0].payload["origin"] == [str(message)]
+    await wait_for(lambda: seen.dones, what="agent.done")
+    assert seen.dones[0].response_id == response.id and seen.dones[0].causation_id == message
+    assert len(seen.dones[0].turn_ids) == 2  # no call after the stopped one
+    # the stopped answer is part of the next prompt, marked as stopped
+    later = await bus.say(session, "e então?")
+    await bus.outcome(session, later)
+    prompt = next(r for r in bus.provider.requests if str(later) in str(r.messages[-1].content))
+    assert prompt.messages[1].content == (
+        "Primeira parte.\n\nSegunda parte, interrom\n\n[The person stopped this answer here.]"
+    )
