@@ -11,7 +11,9 @@ Invariants kept here, so no prompt has to keep them:
   the service after the person's readiness, never through the tool;
 - a business rule's `origin` cites chat messages of this very conversation;
 - a session's inputs are handled one at a time in `seq` order, none dropped, each
-  at most once (`admit`).
+  at most once (`admit`);
+- an input is acted on only as the log holds it (`Conversation.inputs` keeps the
+  log's copies; the bus's copy is compared with them before anything is done).
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class Conversation:
     readiness: frozenset[UUID] = frozenset()
     criativo_active: bool = False
     closed: bool = False
+    # The log's own copy of each input (chat, readiness, activation, closing), so a
+    # delivered input is confirmed against the log without asking it again.
+    inputs: dict[UUID, Event] = field(default_factory=dict)
 
     @property
     def chat_ids(self) -> frozenset[UUID]:
@@ -131,12 +136,26 @@ class Conversation:
         return tail
 
 
+# The events a session's actor acts on (Criativo's consumer reads these subjects).
+INPUTS = frozenset(
+    {
+        EventType.CHAT_MESSAGE,
+        EventType.CRIATIVO_READINESS_CONFIRMED,
+        EventType.AGENT_ACTIVATED,
+        EventType.SESSION_CLOSED,
+        EventType.SESSION_CLOSED_ABNORMALLY,
+    }
+)
+
+
 def apply(conv: Conversation, event: Event) -> Conversation:
     """The conversation after `event` (events at or below `last_seq` change nothing)."""
     if event.seq <= conv.last_seq:
         return conv
     conv = replace(conv, last_seq=event.seq, project_id=event.project_id)
     kind = event.type
+    if kind in INPUTS:
+        conv = replace(conv, inputs={**conv.inputs, event.id: event})
     if kind is EventType.CHAT_MESSAGE:
         said = Utterance(event.id, event.seq, str(event.payload.get("text", "")))
         return replace(conv, said=(*conv.said, said))

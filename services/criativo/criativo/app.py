@@ -9,7 +9,7 @@ from contracts.events import EventType
 from contracts.subjects import event_filter
 from criativo.actors import Actors
 from criativo.consumer import SessionInputs
-from criativo.handlers import SessionWork
+from criativo.handlers import CONSUMER, SessionWork
 from criativo.lease import SessionLeases
 from criativo.log import SessionLog
 from criativo.offers import OfferSender
@@ -61,7 +61,7 @@ class CriativoSettings(ServiceSettings):
 def inputs_spec(settings: CriativoSettings) -> ConsumerSpec:
     """The durable consumer every replica shares."""
     return ConsumerSpec(
-        durable="criativo-inputs",
+        durable=CONSUMER,
         stream=streams.EVENTS.name,
         filter_subjects=INPUTS,
         max_deliver=settings.max_deliver,

@@ -9,7 +9,9 @@ so the decision is taken on the log as it stands, not on what this replica last 
   again, and every record is appended with an idempotency key derived from the
   message (a rule: from the message and its tool_use id), so even two turns racing
   past an expired lease leave one answer and one artifact per tool call;
-- a readiness confirmation gets the consolidation turn, the brief and the offer.
+- a readiness confirmation gets the consolidation turn, the brief and the offer;
+- an input is acted on only when the log confirms it (same id, type, session, actor,
+  payload): a forged copy on the bus is acknowledged and ignored.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncpg
 from nats.aio.client import Client
 
 from contracts import subjects
+from contracts.common import ErrorCode
 from contracts.criativo import AgentDone
 from contracts.events import (
     AgentError,
@@ -34,9 +37,14 @@ from criativo.offers import queue_offer
 from criativo.turns import TurnFailed, TurnOutcome, Turns
 from domain import criativo as rules
 from domain.criativo import Action, Conversation
+from servicekit import provenance
+from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
+
+# The consumer named in `forged_event_ignored` lines.
+CONSUMER = "criativo-inputs"
 
 
 class SessionWork:
@@ -59,10 +67,31 @@ class SessionWork:
         self._crash_limit = crash_limit
 
     async def catch_up(self, conv: Conversation) -> Conversation:
-        """The conversation with every event the log has past what `conv` saw."""
-        for event in await self._log.events_after(conv.session_id, conv.last_seq):
+        """The conversation with every event the log has past what `conv` saw.
+
+        A session the log does not know (a forged input named it) stays empty.
+        """
+        try:
+            events = await self._log.events_after(conv.session_id, conv.last_seq)
+        except CommandFailed as exc:
+            if exc.code != ErrorCode.SESSION_NOT_FOUND:
+                raise
+            return conv
+        for event in events:
             conv = rules.apply(conv, event)
         return conv
+
+    async def confirmed(self, conv: Conversation, event: Event) -> bool:
+        """Whether the log holds `event` as delivered (issue 11: trust the log, not the bus).
+
+        The caught-up conversation already holds the log's copy of every input, so a
+        real input costs no extra round trip; anything else is asked of the log, which
+        logs and counts a forged or stale copy as `forged_event_ignored`.
+        """
+        logged = conv.inputs.get(event.id)
+        if logged is not None and provenance.mismatch(event, logged) is None:
+            return True
+        return await provenance.confirm(self._nc, event, consumer=CONSUMER) is not None
 
     async def handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
         """Handle one input; after `crash_limit` failed deliveries, end the session."""
@@ -71,6 +100,9 @@ class SessionWork:
         except Exception as exc:
             if deliveries < self._crash_limit:
                 raise
+            # Never end a session on the word of a copy the log does not hold.
+            if await provenance.confirm(self._nc, event, consumer=CONSUMER) is None:
+                return conv
             reason = (
                 f"criativo crashed {deliveries} times handling {event.type.value} {event.id}: "
                 f"{exc!r}"
@@ -81,9 +113,14 @@ class SessionWork:
 
     async def _handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
         if event.type not in (EventType.CHAT_MESSAGE, EventType.CRIATIVO_READINESS_CONFIRMED):
-            return await self.catch_up(conv)  # activation, closing: only the state moves
+            # Activation, closing: only the state moves, and it moves from the log.
+            conv = await self.catch_up(conv)
+            await self.confirmed(conv, event)  # a forged one is logged and counted
+            return conv
         async with self._leases.hold(event.session_id):
             conv = await self.catch_up(conv)
+            if not await self.confirmed(conv, event):
+                return conv  # forged or stale: acknowledged, never acted on
             if event.type is EventType.CHAT_MESSAGE:
                 for message_id in conv.pending_before(event.seq):
                     conv = await self._answer(conv, message_id)
