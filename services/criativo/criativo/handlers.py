@@ -34,7 +34,7 @@ from contracts.events import (
 from criativo.lease import SessionLeases
 from criativo.log import SessionLog
 from criativo.offers import queue_offer
-from criativo.turns import TurnFailed, TurnOutcome, Turns
+from criativo.turns import TurnFailed, TurnOutcome, Turns, consolidation_turn_id
 from domain import criativo as rules
 from domain.criativo import Action, Conversation
 from servicekit import provenance
@@ -228,10 +228,22 @@ class SessionWork:
                 readiness_id,
                 f"criativo:brief:{readiness_id}",
             )
+            turn_ids = outcome.turn_ids
         elif action is Action.OFFER_EXISTING_BRIEF:
             brief_id = conv.briefs[readiness_id]
+            turn_ids = [consolidation_turn_id(readiness_id)]
         else:
             log.info("readiness_ignored", session_id=str(conv.session_id), action=action.value)
             return conv
+        # The consolidation's deltas end here; the brief is the event the turn produced.
+        await self._done(
+            conv,
+            AgentDone(
+                agent=rules.CRIATIVO,
+                causation_id=readiness_id,
+                turn_ids=turn_ids,
+                response_id=brief_id,
+            ),
+        )
         await queue_offer(self._pool, conv.project_id, conv.session_id, readiness_id, brief_id)
         return await self.catch_up(conv)

@@ -9,8 +9,8 @@
   so far, marked stopped (`domain.criativo.after_call`).
 - `plain`: the chat of sessions without Criativo (DESIGN.md flow 1): one streaming,
   stateless call with the current message only, agent slug `chat`.
-- `consolidate`: the brief after readiness, one whole-reply call with no tools —
-  the model can write the brief's text, never emit it (ADR 0008 decision 5).
+- `consolidate`: the brief after readiness, one streaming call with no tools — the
+  model can write the brief's text, never emit it (ADR 0008 decision 5).
 
 Turn ids are the same on every delivery of an input (`criativo.<message>.<iteration>`):
 metering answers a turn id that already ran from its stored reply and never calls the
@@ -247,9 +247,11 @@ class Turns:
         ask = CONSOLIDATION_PROMPT.format(readiness_id=readiness_id)
         history = rules.consolidation_messages(conv, readiness_seq, ask)
         system = f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
-        cmd = LlmTurn(
+        # Streamed like any answer, so the person sees the brief being written; its
+        # deltas and its `agent.done` carry the readiness as their causation.
+        cmd = LlmStream(
             run_id=f"criativo.{conv.session_id}",
-            turn_id=f"criativo.{readiness_id}.brief",
+            turn_id=consolidation_turn_id(readiness_id),
             agent_slug=rules.CRIATIVO,
             project_id=conv.project_id,
             session_id=conv.session_id,
@@ -257,6 +259,8 @@ class Turns:
             messages=history,
             max_tokens=self._max_tokens,
             budget_micros=self._budget,
+            delta_subject=subjects.delta_subject(conv.project_id, conv.session_id),
+            causation_id=readiness_id,
         )
         turn_ids: list[str] = []
         reply = await self._call(cmd, turn_ids)
@@ -297,6 +301,11 @@ class Turns:
 # A turn id that ended without a reply, or is stuck in progress past the wait (its
 # metering replica died mid-call), is tried again under the next retry id.
 _RETRYABLE = frozenset({ErrorCode.TURN_ALREADY_FAILED.value, ErrorCode.TURN_IN_PROGRESS.value})
+
+
+def consolidation_turn_id(readiness_id: UUID) -> str:
+    """The turn id of the consolidation turn a readiness asks for (before any retry)."""
+    return f"criativo.{readiness_id}.brief"
 
 
 def _one_turn(reply: TurnReply, turn_ids: list[str]) -> TurnOutcome:

@@ -442,3 +442,24 @@ async def test_a_forged_readiness_writes_no_brief_and_ends_nothing(bus: Driver) 
     [written] = await wait_for(brief, timeout=30, what="the real readiness's brief")
     assert written.causation_id == readiness
     assert await bus.events(session, "session.closed") == []
+
+
+async def test_the_consolidation_turn_streams_like_any_answer(bus: Driver) -> None:
+    session = await bus.open()
+    await bus.outcome(session, await bus.say(session, "Um app para feiras livres"))
+    seen = await bus.watch(session)
+    readiness = await bus.ready(session)
+
+    async def brief() -> list[Event]:
+        return await bus.events(session, "artifact.product_brief")
+
+    [written] = await wait_for(brief, timeout=30, what="the brief")
+    await wait_for(lambda: seen.dones, what="agent.done of the consolidation")
+    [done] = seen.dones
+    assert done.causation_id == readiness and done.response_id == written.id
+    deltas = [d for _, d in seen.deltas]
+    assert deltas and {d.causation_id for d in deltas} == {readiness}
+    assert {d.turn_id for d in deltas} == set(done.turn_ids)
+    # the person saw the brief being written: the deltas are the reply the brief came from
+    assert "feiras livres" in "".join(d.text for d in deltas)
+    assert bus.provider.requests[-1].tools == []  # the model cannot emit it
