@@ -96,7 +96,7 @@ class SessionWork:
     async def handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
         """Handle one input; after `crash_limit` failed deliveries, end the session."""
         try:
-            return await self._handle(conv, event, deliveries)
+            return await self._handle(conv, event)
         except Exception as exc:
             if deliveries < self._crash_limit:
                 raise
@@ -111,7 +111,7 @@ class SessionWork:
             await self._log.terminate(event.session_id, reason)
             return await self.catch_up(conv)
 
-    async def _handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
+    async def _handle(self, conv: Conversation, event: Event) -> Conversation:
         if event.type not in (EventType.CHAT_MESSAGE, EventType.CRIATIVO_READINESS_CONFIRMED):
             # Activation, closing: only the state moves, and it moves from the log.
             conv = await self.catch_up(conv)

@@ -168,7 +168,7 @@ class Turns:
         self, conv: Conversation, message_id: UUID, record: RecordRule
     ) -> TurnOutcome:
         """Answer one message with the conversation so far, recording rules as they come."""
-        tool = emit_artifact(conv, record)
+        tool = emit_artifact(conv, record)  # its spec; each call runs under its tool_use id
         system = f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
         messages = rules.model_messages(conv, message_id)
         outcome = TurnOutcome(text="")
