@@ -4,12 +4,16 @@ Invariants kept here, so no prompt has to keep them:
 - the conversation an actor holds is a fold of the session log (`apply`): a restart
   rebuilds exactly what the actor had, because the log is the only source;
 - a message is answered at most once: any `agent.response` or `agent.error` caused by
-  it is its outcome (`Conversation.answered`);
+  it is its outcome (`Conversation.outcomes`);
+- the prompt for a message is causal (`model_messages`): every earlier message with
+  its answer, the message last, nothing said after it;
 - the model may emit only the artifacts of `known()`; `product_brief` is written by
   the service after the person's readiness, never through the tool;
 - a business rule's `origin` cites chat messages of this very conversation;
 - a session's inputs are handled one at a time in `seq` order, none dropped, each
-  at most once (`admit`).
+  at most once (`admit`);
+- an input is acted on only as the log holds it (`Conversation.inputs` keeps the
+  log's copies; the bus's copy is compared with them before anything is done).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 from uuid import UUID
 
 from pydantic import ValidationError
@@ -43,8 +47,6 @@ SYSTEM_ARTIFACTS = frozenset({"product_brief"})
 # whole (the recorded business rules, kept in the system prompt, carry what matters).
 HISTORY_LIMIT = 200
 
-Role = Literal["user", "assistant"]
-
 
 def known() -> list[str]:
     """The artifact types the model may emit; `product_brief` is never among them."""
@@ -53,12 +55,21 @@ def known() -> list[str]:
 
 @dataclass(frozen=True)
 class Utterance:
-    """One message of the conversation, as the log holds it."""
+    """One of the person's messages, as the log holds it."""
 
     event_id: UUID
     seq: int
-    role: Role
     text: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a message was answered: the reply's text (maybe cut by Stop), or an error."""
+
+    event_id: UUID
+    text: str = ""
+    stopped: bool = False
+    error_code: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,17 +88,36 @@ class Conversation:
     session_id: UUID
     project_id: str = ""
     last_seq: int = 0
-    utterances: tuple[Utterance, ...] = ()
-    chat_ids: frozenset[UUID] = frozenset()
-    # Chat messages (seq) in order, and those that already have an outcome.
-    chats: tuple[tuple[int, UUID], ...] = ()
-    answered: frozenset[UUID] = frozenset()
+    # The person's messages in `seq` order, and the outcome each one got (the first
+    # `agent.response` / `agent.error` whose causation is the message).
+    said: tuple[Utterance, ...] = ()
+    outcomes: dict[UUID, Outcome] = field(default_factory=dict)
     rules: tuple[RecordedRule, ...] = ()
     # readiness event id -> the brief it caused
     briefs: dict[UUID, UUID] = field(default_factory=dict)
     readiness: frozenset[UUID] = frozenset()
     criativo_active: bool = False
     closed: bool = False
+    # The log's own copy of each input (chat, readiness, activation, closing), so a
+    # delivered input is confirmed against the log without asking it again.
+    inputs: dict[UUID, Event] = field(default_factory=dict)
+
+    @property
+    def chat_ids(self) -> frozenset[UUID]:
+        """The ids of the person's messages (what a rule's origin may cite)."""
+        return frozenset(u.event_id for u in self.said)
+
+    @property
+    def answered(self) -> frozenset[UUID]:
+        """The messages that already have an outcome."""
+        return frozenset(self.outcomes)
+
+    def message(self, event_id: UUID) -> Utterance:
+        """The person's message with this id (KeyError when it is not in the conversation)."""
+        for u in self.said:
+            if u.event_id == event_id:
+                return u
+        raise KeyError(event_id)
 
     def pending_before(self, seq: int) -> list[UUID]:
         """Chat messages up to `seq` without an outcome, after the last answered one.
@@ -96,14 +126,26 @@ class Conversation:
         message another replica holds is never overtaken by a later one.
         """
         tail: list[UUID] = []
-        for chat_seq, chat_id in self.chats:
-            if chat_seq > seq:
+        for u in self.said:
+            if u.seq > seq:
                 break
-            if chat_id in self.answered:
+            if u.event_id in self.outcomes:
                 tail = []
             else:
-                tail.append(chat_id)
+                tail.append(u.event_id)
         return tail
+
+
+# The events a session's actor acts on (Criativo's consumer reads these subjects).
+INPUTS = frozenset(
+    {
+        EventType.CHAT_MESSAGE,
+        EventType.CRIATIVO_READINESS_CONFIRMED,
+        EventType.AGENT_ACTIVATED,
+        EventType.SESSION_CLOSED,
+        EventType.SESSION_CLOSED_ABNORMALLY,
+    }
+)
 
 
 def apply(conv: Conversation, event: Event) -> Conversation:
@@ -112,21 +154,26 @@ def apply(conv: Conversation, event: Event) -> Conversation:
         return conv
     conv = replace(conv, last_seq=event.seq, project_id=event.project_id)
     kind = event.type
+    if kind in INPUTS:
+        conv = replace(conv, inputs={**conv.inputs, event.id: event})
     if kind is EventType.CHAT_MESSAGE:
-        said = Utterance(event.id, event.seq, "user", str(event.payload.get("text", "")))
-        return replace(
-            conv,
-            utterances=(*conv.utterances, said),
-            chat_ids=conv.chat_ids | {event.id},
-            chats=(*conv.chats, (event.seq, event.id)),
-        )
+        said = Utterance(event.id, event.seq, str(event.payload.get("text", "")))
+        return replace(conv, said=(*conv.said, said))
     if kind in (EventType.AGENT_RESPONSE, EventType.AGENT_ERROR):
-        answered = conv.answered | ({event.causation_id} if event.causation_id else set())
-        conv = replace(conv, answered=answered)
+        cause = event.causation_id
+        # Only a message's first outcome counts (two racing turns leave one answer,
+        # but should a second ever land, the model keeps reading the first).
+        if cause is None or cause in conv.outcomes or cause not in conv.chat_ids:
+            return conv
         if kind is EventType.AGENT_RESPONSE:
-            reply = Utterance(event.id, event.seq, "assistant", str(event.payload.get("text", "")))
-            conv = replace(conv, utterances=(*conv.utterances, reply))
-        return conv
+            outcome = Outcome(
+                event.id,
+                text=str(event.payload.get("text", "")),
+                stopped=bool(event.payload.get("stopped", False)),
+            )
+        else:
+            outcome = Outcome(event.id, error_code=str(event.payload.get("code", "error")))
+        return replace(conv, outcomes={**conv.outcomes, cause: outcome})
     if kind is EventType.ARTIFACT_BUSINESS_RULE:
         rule = RecordedRule(
             event.id, str(event.payload.get("title", "")), str(event.payload.get("statement", ""))
@@ -151,30 +198,75 @@ def rebuild(session_id: UUID, events: list[Event]) -> Conversation:
     return conv
 
 
+# --- what the model sees ----------------------------------------------------------
+#
+# The prompt is causal, not positional (DESIGN.md "Who may use the bus", issue 10):
+# the answer to message N reads every earlier message of the person, in message
+# order, each immediately followed by the answer it got, then N last. A message typed
+# while a turn runs lands in the log before that turn's answer; reading the log in
+# `seq` order would put two person's messages side by side (merged, the model answers
+# the first again) and leave the running turn's answer out. Messages after N are
+# never shown, even when they are already in the log.
+#
+# Roles must alternate (the Messages API), so a message with no reply text still gets
+# an assistant turn: a bracketed note saying it was not answered (an `agent.error`)
+# or was stopped by the person. A note rather than merging the message into the next
+# one, because merged messages are exactly what made the model answer the wrong one.
+
+NOT_ANSWERED = "[This message was not answered: the turn failed ({code}).]"
+NO_OUTCOME = "[This message has not been answered.]"
+STOPPED = "[The person stopped this answer here.]"
+NO_TEXT = "[Answered without text.]"
+
+
 def quote(utterance: Utterance) -> str:
     """How a person's message reads to the model: with the id a rule's origin cites."""
     return f"[message {utterance.event_id}]\n{utterance.text}"
 
 
-def model_messages(
-    conv: Conversation, upto_seq: int | None = None, limit: int = HISTORY_LIMIT
-) -> list[ChatMessage]:
-    """The conversation as the model reads it: alternating roles, starting with the person.
+def answer_text(outcome: Outcome | None) -> str:
+    """What the model reads as the answer a message got (never empty)."""
+    if outcome is None:
+        return NO_OUTCOME
+    if outcome.error_code is not None:
+        return NOT_ANSWERED.format(code=outcome.error_code)
+    if outcome.stopped:
+        return f"{outcome.text}\n\n{STOPPED}" if outcome.text.strip() else STOPPED
+    return outcome.text if outcome.text.strip() else NO_TEXT
 
-    Consecutive messages of one role are merged (a message answered by an error has no
-    reply), and everything after `upto_seq` is left out (not yet said at that turn).
+
+def history_before(conv: Conversation, seq: int, limit: int = HISTORY_LIMIT) -> list[ChatMessage]:
+    """Every message of the person before `seq`, each followed by its answer.
+
+    At most `limit` messages in all; older exchanges are dropped whole, so the
+    history always starts with the person and roles always alternate.
     """
-    said = [u for u in conv.utterances if upto_seq is None or u.seq <= upto_seq][-limit:]
-    while said and said[0].role != "user":
-        said = said[1:]
-    merged: list[tuple[Role, list[str]]] = []
-    for u in said:
-        text = quote(u) if u.role == "user" else u.text
-        if merged and merged[-1][0] == u.role:
-            merged[-1][1].append(text)
-        else:
-            merged.append((u.role, [text]))
-    return [ChatMessage(role=role, content="\n\n".join(parts)) for role, parts in merged]
+    keep = limit // 2
+    earlier = [u for u in conv.said if u.seq < seq][-keep:] if keep else []
+    messages: list[ChatMessage] = []
+    for u in earlier:
+        messages.append(ChatMessage(role="user", content=quote(u)))
+        messages.append(
+            ChatMessage(role="assistant", content=answer_text(conv.outcomes.get(u.event_id)))
+        )
+    return messages
+
+
+def model_messages(
+    conv: Conversation, answering: UUID, limit: int = HISTORY_LIMIT
+) -> list[ChatMessage]:
+    """The prompt for the answer to message `answering`: the history before it, it last."""
+    target = conv.message(answering)
+    history = history_before(conv, target.seq, max(limit - 1, 0))
+    return [*history, ChatMessage(role="user", content=quote(target))]
+
+
+def consolidation_messages(
+    conv: Conversation, readiness_seq: int, ask: str, limit: int = HISTORY_LIMIT
+) -> list[ChatMessage]:
+    """The prompt of the consolidation turn: what was said before readiness, then `ask`."""
+    history = history_before(conv, readiness_seq, max(limit - 1, 0))
+    return [*history, ChatMessage(role="user", content=ask)]
 
 
 def rules_digest(conv: Conversation) -> str:
@@ -229,6 +321,27 @@ def check_artifact(raw: dict[str, Any], conv: Conversation) -> BusinessRule:
             foreign=foreign,
         )
     return rule
+
+
+# --- after each model call of an answer ------------------------------------------
+
+# Metering's stop reason for a stream the person stopped (`cmd.llm.cancel`).
+CANCELLED = "cancelled"
+
+
+class NextStep(Enum):
+    """What an answer does after one model call."""
+
+    DONE = "done"  # the model finished: the answer is the text written so far
+    RUN_TOOLS = "run_tools"  # run the calls, send the results back, call again
+    STOPPED = "stopped"  # the person pressed Stop: end now, keep the text so far
+
+
+def after_call(stop_reason: str, tool_calls: int) -> NextStep:
+    """The step after a model call; a stopped call's tool calls never run (no artifact)."""
+    if stop_reason == CANCELLED:
+        return NextStep.STOPPED
+    return NextStep.RUN_TOOLS if tool_calls else NextStep.DONE
 
 
 # --- readiness: the consolidated brief ------------------------------------------

@@ -13,15 +13,23 @@ from hypothesis import strategies as st
 
 from contracts.common import ErrorCode
 from contracts.events import Event, EventType
+from contracts.metering import ChatMessage
 from domain.criativo import (
+    NO_TEXT,
+    NOT_ANSWERED,
+    STOPPED,
     Action,
     Admission,
     Conversation,
     Inbound,
+    NextStep,
+    Outcome,
     admit,
+    after_call,
     apply,
     brief_from_reply,
     check_artifact,
+    consolidation_messages,
     decide,
     known,
     model_messages,
@@ -76,7 +84,8 @@ LOG = [
 def test_rebuild_is_the_fold_of_the_log_in_seq_order() -> None:
     conv = rebuild(SESSION, list(reversed(LOG)))
     assert conv.last_seq == 5 and conv.criativo_active
-    assert [u.role for u in conv.utterances] == ["user", "assistant", "user"]
+    assert [u.event_id for u in conv.said] == [M1, M2]
+    assert conv.outcomes == {M1: Outcome(R1, text="for whom?")}
     assert conv.answered == {M1}
     assert conv.chat_ids == {M1, M2}
     assert [r.event_id for r in conv.rules] == [RULE]
@@ -84,20 +93,214 @@ def test_rebuild_is_the_fold_of_the_log_in_seq_order() -> None:
     assert apply(conv, LOG[1]) is conv
 
 
-def test_model_messages_alternate_and_quote_ids() -> None:
-    conv = rebuild(SESSION, LOG)
-    messages = model_messages(conv)
-    assert [m.role for m in messages] == ["user", "assistant", "user"]
-    assert f"[message {M2}]" in str(messages[-1].content)
-    # a turn sees only what was said up to its message
-    assert len(model_messages(conv, upto_seq=2)) == 1
+def test_only_a_messages_first_outcome_counts() -> None:
+    log = [
+        *LOG,
+        ev(6, R2, EventType.AGENT_RESPONSE, {"agent": "criativo", "text": "noted"}, M2),
+        ev(7, FOREIGN, EventType.AGENT_ERROR, {"agent": "criativo", "code": "x"}, M2),
+    ]
+    assert rebuild(SESSION, log).outcomes[M2] == Outcome(R2, text="noted")
 
 
-def test_consecutive_messages_of_one_role_are_merged() -> None:
-    log = [*LOG, ev(6, M3, EventType.CHAT_MESSAGE, {"text": "and delivery"})]
-    messages = model_messages(rebuild(SESSION, log))
-    assert [m.role for m in messages] == ["user", "assistant", "user"]
-    assert str(M2) in str(messages[-1].content) and str(M3) in str(messages[-1].content)
+def U(event_id: UUID, text: str) -> ChatMessage:
+    return ChatMessage(role="user", content=f"[message {event_id}]\n{text}")
+
+
+def A(text: str) -> ChatMessage:
+    return ChatMessage(role="assistant", content=text)
+
+
+def said(seq: int, event_id: UUID, text: str) -> Event:
+    return ev(seq, event_id, EventType.CHAT_MESSAGE, {"text": text})
+
+
+def answer(seq: int, event_id: UUID, cause: UUID, text: str, **extra: Any) -> Event:
+    payload = {"agent": "criativo", "text": text, **extra}
+    return ev(seq, event_id, EventType.AGENT_RESPONSE, payload, cause, "agent:criativo")
+
+
+def failure(seq: int, event_id: UUID, cause: UUID, code: str) -> Event:
+    payload = {"agent": "criativo", "code": code, "reason": "failed"}
+    return ev(seq, event_id, EventType.AGENT_ERROR, payload, cause, "agent:criativo")
+
+
+R2 = UUID("00000000-0000-4000-8000-000000000022")
+R3 = UUID("00000000-0000-4000-8000-000000000023")
+
+# (log, message answered, the prompt the model reads)
+PROMPTS: list[tuple[str, list[Event], UUID, list[ChatMessage]]] = [
+    ("first message", [said(1, M1, "a")], M1, [U(M1, "a")]),
+    (
+        "waited for the answer",
+        [said(1, M1, "a"), answer(2, R1, M1, "ra"), said(3, M2, "b")],
+        M2,
+        [U(M1, "a"), A("ra"), U(M2, "b")],
+    ),
+    (
+        "typed during the running turn: its answer comes later in the log",
+        [said(1, M1, "a"), said(2, M2, "b"), answer(3, R1, M1, "ra")],
+        M2,
+        [U(M1, "a"), A("ra"), U(M2, "b")],
+    ),
+    (
+        "a later message already in the log is not shown",
+        [said(1, M1, "a"), said(2, M2, "b"), said(3, M3, "c"), answer(4, R1, M1, "ra")],
+        M2,
+        [U(M1, "a"), A("ra"), U(M2, "b")],
+    ),
+    (
+        "nor is the answer to the message itself (a redelivery after it was answered)",
+        [said(1, M1, "a"), answer(2, R1, M1, "ra")],
+        M1,
+        [U(M1, "a")],
+    ),
+    (
+        "an error keeps the message, with a note, and roles alternating",
+        [said(1, M1, "a"), failure(2, R1, M1, "provider_error"), said(3, M2, "b")],
+        M2,
+        [U(M1, "a"), A(NOT_ANSWERED.format(code="provider_error")), U(M2, "b")],
+    ),
+    (
+        "a stopped answer is read as far as it went",
+        [said(1, M1, "a"), answer(2, R1, M1, "half", stopped=True), said(3, M2, "b")],
+        M2,
+        [U(M1, "a"), A(f"half\n\n{STOPPED}"), U(M2, "b")],
+    ),
+    (
+        "stopped before any text",
+        [said(1, M1, "a"), answer(2, R1, M1, "", stopped=True), said(3, M2, "b")],
+        M2,
+        [U(M1, "a"), A(STOPPED), U(M2, "b")],
+    ),
+    (
+        "an answer made of tool calls only",
+        [said(1, M1, "a"), answer(2, R1, M1, ""), said(3, M2, "b")],
+        M2,
+        [U(M1, "a"), A(NO_TEXT), U(M2, "b")],
+    ),
+    (
+        "rules and other events are not conversation",
+        [*LOG, answer(6, R2, M2, "rb"), said(7, M3, "c")],
+        M3,
+        [U(M1, "a bakery app"), A("for whom?"), U(M2, "orders close at 6pm"), A("rb"), U(M3, "c")],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("log", "message", "prompt"), [p[1:] for p in PROMPTS], ids=[p[0] for p in PROMPTS]
+)
+def test_model_messages(log: list[Event], message: UUID, prompt: list[ChatMessage]) -> None:
+    assert model_messages(rebuild(SESSION, log), message) == prompt
+
+
+def test_model_messages_keep_whole_recent_exchanges_within_the_limit() -> None:
+    ids = [UUID(int=i) for i in range(1, 11)]
+    log: list[Event] = []
+    for i, mid in enumerate(ids):
+        log += [said(2 * i + 1, mid, f"m{i}"), answer(2 * i + 2, UUID(int=100 + i), mid, f"r{i}")]
+    prompt = model_messages(rebuild(SESSION, log), ids[-1], limit=5)
+    assert prompt == [U(ids[7], "m7"), A("r7"), U(ids[8], "m8"), A("r8"), U(ids[9], "m9")]
+
+
+def test_consolidation_reads_what_was_said_before_readiness_then_the_ask() -> None:
+    log = [
+        said(1, M1, "a"),
+        said(2, M2, "b"),
+        answer(3, R1, M1, "ra"),
+        ev(4, READY, EventType.CRIATIVO_READINESS_CONFIRMED),
+        answer(5, R2, M2, "rb"),
+        said(6, M3, "after readiness"),
+    ]
+    prompt = consolidation_messages(rebuild(SESSION, log), 4, "ASK")
+    assert prompt == [
+        U(M1, "a"),
+        A("ra"),
+        U(M2, "b"),
+        A("rb"),
+        ChatMessage(role="user", content="ASK"),
+    ]
+    assert consolidation_messages(rebuild(SESSION, []), 1, "ASK") == [
+        ChatMessage(role="user", content="ASK")
+    ]
+
+
+# A session's log under real use: the person types whenever they like; Criativo answers
+# the messages one at a time, in order, each with a reply, a stopped reply or an error,
+# and records rules on the way. Drawn as a sequence of moves over a growing log.
+
+
+@st.composite
+def session_logs(draw: st.DrawFn) -> list[Event]:
+    moves = draw(
+        st.lists(st.sampled_from(["say", "answer", "rule", "other"]), min_size=1, max_size=40)
+    )
+    log: list[Event] = []
+    waiting: list[UUID] = []
+    n = 0
+
+    def next_id() -> UUID:
+        nonlocal n
+        n += 1
+        return UUID(int=n)
+
+    for move in [*moves, *["answer"] * 40]:
+        seq = len(log) + 1
+        if move == "say":
+            mid = next_id()
+            log.append(said(seq, mid, f"text of {mid}"))
+            waiting.append(mid)
+        elif move == "answer" and waiting:
+            cause = waiting.pop(0)
+            how = draw(st.sampled_from(["reply", "stopped", "error"]))
+            if how == "error":
+                log.append(failure(seq, next_id(), cause, "provider_error"))
+            else:
+                log.append(
+                    answer(seq, next_id(), cause, f"reply to {cause}", stopped=how == "stopped")
+                )
+        elif move == "rule" and waiting:
+            payload = {"title": "t", "statement": "s", "origin": [str(waiting[0])]}
+            log.append(ev(seq, next_id(), EventType.ARTIFACT_BUSINESS_RULE, payload, waiting[0]))
+        elif move == "other":
+            log.append(ev(seq, next_id(), EventType.CRIATIVO_READINESS_CONFIRMED))
+    return log
+
+
+@settings(database=None, deadline=None, max_examples=300)
+@given(session_logs())
+def test_the_prompt_for_a_message_is_every_earlier_exchange_then_the_message(
+    log: list[Event],
+) -> None:
+    whole = rebuild(SESSION, log)
+    messages = [e for e in log if e.type is EventType.CHAT_MESSAGE]
+    outcome_of = {
+        e.causation_id: e
+        for e in log
+        if e.type in (EventType.AGENT_RESPONSE, EventType.AGENT_ERROR)
+    }
+    for i, message in enumerate(messages):
+        expected: list[ChatMessage] = []
+        for earlier in messages[:i]:
+            expected.append(U(earlier.id, earlier.payload["text"]))
+            got = outcome_of[earlier.id]
+            if got.type is EventType.AGENT_ERROR:
+                expected.append(A(NOT_ANSWERED.format(code="provider_error")))
+            elif got.payload["stopped"]:
+                expected.append(A(f"{got.payload['text']}\n\n{STOPPED}"))
+            else:
+                expected.append(A(got.payload["text"]))
+        expected.append(U(message.id, message.payload["text"]))
+        prompt = model_messages(whole, message.id)
+        assert prompt == expected
+        # the same prompt as when the message was answered: the log up to its answer
+        answered_at = outcome_of[message.id].seq
+        then = rebuild(SESSION, [e for e in log if e.seq < answered_at])
+        assert model_messages(then, message.id) == prompt
+        # roles alternate, starting and ending with the person
+        assert [m.role for m in prompt] == ["user", "assistant"] * i + ["user"]
+        later = {str(m.id) for m in messages[i + 1 :]}
+        assert not any(mid in str(m.content) for m in prompt for mid in later)
 
 
 @pytest.mark.parametrize(
@@ -243,3 +446,17 @@ def test_admit_keeps_every_distinct_input_once_sorted(seqs: list[int]) -> None:
 )
 def test_readable_reason(code: str, words: str) -> None:
     assert words in readable_reason(code)
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "tool_calls", "step"),
+    [
+        ("end_turn", 0, NextStep.DONE),
+        ("max_tokens", 0, NextStep.DONE),
+        ("tool_use", 2, NextStep.RUN_TOOLS),
+        ("cancelled", 0, NextStep.STOPPED),
+        ("cancelled", 1, NextStep.STOPPED),  # cut mid tool call: nothing is recorded
+    ],
+)
+def test_after_call(stop_reason: str, tool_calls: int, step: NextStep) -> None:
+    assert after_call(stop_reason, tool_calls) is step

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from uuid import UUID
+
 from nats.aio.client import Client
 
 from contracts import subjects
-from contracts.metering import LlmStream, LlmTurn, TurnReply
+from contracts.metering import CancelReply, CancelTurn, LlmStream, LlmTurn, TurnReply
 from servicekit.client import call
 
 # A model turn can take minutes (long outputs, provider retries); metering bills it
@@ -27,3 +29,11 @@ class MeteringClient:
     async def stream(self, cmd: LlmStream) -> TurnReply:
         """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`."""
         return await call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
+
+    async def cancel(self, turn_id: str, project_id: str, session_id: UUID) -> CancelReply:
+        """Stop a running streaming turn of this project's session (`cmd.llm.cancel`).
+
+        The turn's `stream` call then returns normally, with `stop_reason == "cancelled"`
+        and the text written up to the stop; `finished` means it had already ended."""
+        order = CancelTurn(turn_id=turn_id, project_id=project_id, session_id=session_id)
+        return await call(self._nc, subjects.LLM_CANCEL, order, CancelReply)

@@ -27,7 +27,10 @@ async def stream_turn(
     delta_subject: str | None = None,
     causation_id: UUID | None = None,
 ) -> TurnReply:
-    """Run one metered streaming turn; deltas go to the session's delta subject by default."""
+    """Run one metered streaming turn; deltas go to the session's delta subject by default.
+
+    A turn stopped with `MeteringClient.cancel` is not an error: its reply comes back
+    as metering sent it, `stop_reason == "cancelled"` and the text written until then."""
     cmd = LlmStream(
         causation_id=causation_id,
         run_id=run_id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -58,6 +59,10 @@ SCRIPT = Script(
         ),
         ScriptStep(
             agent="talker", text="Olá! Vamos desenhar a sua padaria juntos.", token_delay_ms=1
+        ),
+        # chatterbox: 400 words at 25 ms, long enough to be stopped
+        ScriptStep(
+            agent="chatterbox", text=" ".join(f"w{i}" for i in range(400)), token_delay_ms=25
         ),
     ]
 )
@@ -210,6 +215,43 @@ async def test_stream_turn_publishes_deltas_on_the_sessions_subject(
     await sub.unsubscribe()
     assert [d.seq for d in deltas] == list(range(1, len(deltas) + 1))
     assert reply.content[0].type == "text" and reply.content[0].text == text
+
+
+async def test_a_stopped_stream_turn_returns_metering_s_reply_unchanged(
+    nc: Client, scripted: Metering
+) -> None:
+    session = uuid.uuid4()
+    deltas: list[TurnDelta] = []
+
+    async def collect(msg: Msg) -> None:
+        deltas.append(TurnDelta.model_validate_json(msg.data))
+
+    sub = await nc.subscribe(subjects.delta_subject("bakery", session), cb=collect)
+    await nc.flush()
+    client, turn_id = MeteringClient(nc), f"chat-{uuid.uuid4().hex}"
+    running = asyncio.create_task(
+        stream_turn(
+            client,
+            run_id="chat-run",
+            turn_id=turn_id,
+            agent_slug="chatterbox",
+            project_id="bakery",
+            session_id=session,
+            system="You are Criativo.",
+            messages=[ChatMessage(role="user", content="Fale muito.")],
+            max_tokens=1000,
+        )
+    )
+    await wait_for(lambda: len(deltas) >= 2, what="the turn to stream")
+    assert (await client.cancel(turn_id, "bakery", session)).status == "cancelling"
+    reply = await running
+    await sub.unsubscribe()
+
+    assert reply.stop_reason == "cancelled" and reply.turn_id == turn_id
+    [block] = reply.content
+    assert block.type == "text" and 2 <= len(block.text.split()) < 400
+    assert reply.usage.output_tokens == len(block.text.split()) and reply.cost_micros > 0
+    assert (await client.cancel(turn_id, "bakery", session)).status == "finished"
 
 
 class FailsOnce(ScriptedProvider):

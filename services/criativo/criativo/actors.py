@@ -68,7 +68,8 @@ class SessionActor:
             return
         while True:
             if not self._queue:
-                if self.conv.closed:
+                # Closed, or a session the log does not know (only forged inputs named it).
+                if self.conv.closed or self.conv.last_seq == 0:
                     self._actors.evict(self)
                     return
                 self._wake.clear()

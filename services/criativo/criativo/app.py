@@ -9,7 +9,7 @@ from contracts.events import EventType
 from contracts.subjects import event_filter
 from criativo.actors import Actors
 from criativo.consumer import SessionInputs
-from criativo.handlers import SessionWork
+from criativo.handlers import CONSUMER, SessionWork
 from criativo.lease import SessionLeases
 from criativo.log import SessionLog
 from criativo.offers import OfferSender
@@ -51,6 +51,9 @@ class CriativoSettings(ServiceSettings):
     consumer_batch: int = 32
     max_tool_iterations: int = 4
     max_tokens: int = 2048
+    # How long a turn id still running in metering (an earlier delivery's call) is
+    # waited for before it is tried again under a retry id.
+    turn_in_progress_wait_seconds: float = 120.0
     # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
     session_budget_micros: int | None = 2_000_000
 
@@ -58,7 +61,7 @@ class CriativoSettings(ServiceSettings):
 def inputs_spec(settings: CriativoSettings) -> ConsumerSpec:
     """The durable consumer every replica shares."""
     return ConsumerSpec(
-        durable="criativo-inputs",
+        durable=CONSUMER,
         stream=streams.EVENTS.name,
         filter_subjects=INPUTS,
         max_deliver=settings.max_deliver,
@@ -78,6 +81,7 @@ async def main(settings: CriativoSettings | None = None) -> None:
             max_iterations=settings.max_tool_iterations,
             max_tokens=settings.max_tokens,
             budget_micros=settings.session_budget_micros,
+            in_progress_wait_seconds=settings.turn_in_progress_wait_seconds,
         )
         work = SessionWork(rt.nc, rt.pool, SessionLog(rt.nc), leases, turns, settings.crash_limit)
         actors = Actors(work, settings.idle_seconds)

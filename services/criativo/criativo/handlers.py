@@ -7,8 +7,11 @@ so the decision is taken on the log as it stands, not on what this replica last 
   it is active in the session, otherwise by the plain stateless chat;
 - a message whose `agent.response` (or `agent.error`) is in the log is not answered
   again, and every record is appended with an idempotency key derived from the
-  message, so even two turns racing past an expired lease leave one answer;
-- a readiness confirmation gets the consolidation turn, the brief and the offer.
+  message (a rule: from the message and its tool_use id), so even two turns racing
+  past an expired lease leave one answer and one artifact per tool call;
+- a readiness confirmation gets the consolidation turn, the brief and the offer;
+- an input is acted on only when the log confirms it (same id, type, session, actor,
+  payload): a forged copy on the bus is acknowledged and ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncpg
 from nats.aio.client import Client
 
 from contracts import subjects
+from contracts.common import ErrorCode
 from contracts.criativo import AgentDone
 from contracts.events import (
     AgentError,
@@ -30,12 +34,17 @@ from contracts.events import (
 from criativo.lease import SessionLeases
 from criativo.log import SessionLog
 from criativo.offers import queue_offer
-from criativo.turns import TurnFailed, TurnOutcome, Turns
+from criativo.turns import TurnFailed, TurnOutcome, Turns, consolidation_turn_id
 from domain import criativo as rules
 from domain.criativo import Action, Conversation
+from servicekit import provenance
+from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
+
+# The consumer named in `forged_event_ignored` lines.
+CONSUMER = "criativo-inputs"
 
 
 class SessionWork:
@@ -58,18 +67,42 @@ class SessionWork:
         self._crash_limit = crash_limit
 
     async def catch_up(self, conv: Conversation) -> Conversation:
-        """The conversation with every event the log has past what `conv` saw."""
-        for event in await self._log.events_after(conv.session_id, conv.last_seq):
+        """The conversation with every event the log has past what `conv` saw.
+
+        A session the log does not know (a forged input named it) stays empty.
+        """
+        try:
+            events = await self._log.events_after(conv.session_id, conv.last_seq)
+        except CommandFailed as exc:
+            if exc.code != ErrorCode.SESSION_NOT_FOUND:
+                raise
+            return conv
+        for event in events:
             conv = rules.apply(conv, event)
         return conv
+
+    async def confirmed(self, conv: Conversation, event: Event) -> bool:
+        """Whether the log holds `event` as delivered (issue 11: trust the log, not the bus).
+
+        The caught-up conversation already holds the log's copy of every input, so a
+        real input costs no extra round trip; anything else is asked of the log, which
+        logs and counts a forged or stale copy as `forged_event_ignored`.
+        """
+        logged = conv.inputs.get(event.id)
+        if logged is not None and provenance.mismatch(event, logged) is None:
+            return True
+        return await provenance.confirm(self._nc, event, consumer=CONSUMER) is not None
 
     async def handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
         """Handle one input; after `crash_limit` failed deliveries, end the session."""
         try:
-            return await self._handle(conv, event, deliveries)
+            return await self._handle(conv, event)
         except Exception as exc:
             if deliveries < self._crash_limit:
                 raise
+            # Never end a session on the word of a copy the log does not hold.
+            if await provenance.confirm(self._nc, event, consumer=CONSUMER) is None:
+                return conv
             reason = (
                 f"criativo crashed {deliveries} times handling {event.type.value} {event.id}: "
                 f"{exc!r}"
@@ -78,37 +111,43 @@ class SessionWork:
             await self._log.terminate(event.session_id, reason)
             return await self.catch_up(conv)
 
-    async def _handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
+    async def _handle(self, conv: Conversation, event: Event) -> Conversation:
         if event.type not in (EventType.CHAT_MESSAGE, EventType.CRIATIVO_READINESS_CONFIRMED):
-            return await self.catch_up(conv)  # activation, closing: only the state moves
+            # Activation, closing: only the state moves, and it moves from the log.
+            conv = await self.catch_up(conv)
+            await self.confirmed(conv, event)  # a forged one is logged and counted
+            return conv
         async with self._leases.hold(event.session_id):
             conv = await self.catch_up(conv)
+            if not await self.confirmed(conv, event):
+                return conv  # forged or stale: acknowledged, never acted on
             if event.type is EventType.CHAT_MESSAGE:
                 for message_id in conv.pending_before(event.seq):
-                    conv = await self._answer(conv, message_id, deliveries)
+                    conv = await self._answer(conv, message_id)
                 return conv
-            return await self._readiness(conv, event.id, deliveries)
+            return await self._readiness(conv, event)
 
-    async def _answer(self, conv: Conversation, message_id: UUID, attempt: int) -> Conversation:
+    async def _answer(self, conv: Conversation, message_id: UUID) -> Conversation:
         action = rules.decide(conv, EventType.CHAT_MESSAGE, message_id)
-        said = next(u for u in conv.utterances if u.event_id == message_id)
+        said = conv.message(message_id)
         if action is Action.ANSWER_WITH_CRIATIVO:
             agent = rules.CRIATIVO
 
-            async def record(rule: BusinessRule, n: int) -> UUID:
+            async def record(rule: BusinessRule, tool_use_id: str) -> UUID:
+                # One tool call, one artifact: a replayed turn repeats the tool_use id.
                 return await self._log.append(
                     conv.session_id,
                     EventType.ARTIFACT_BUSINESS_RULE,
                     rules.CRIATIVO_ACTOR,
                     rule,
                     message_id,
-                    f"criativo:rule:{message_id}:{n}",
+                    f"criativo:rule:{message_id}:{tool_use_id}",
                 )
 
-            run = self._turns.criativo(conv, message_id, said.seq, attempt, record)
+            run = self._turns.criativo(conv, message_id, record)
         elif action is Action.ANSWER_PLAINLY:
             agent = rules.PLAIN_CHAT
-            run = self._turns.plain(conv, message_id, said.text, attempt)
+            run = self._turns.plain(conv, message_id, said.text)
         else:
             return conv
         try:
@@ -127,6 +166,7 @@ class SessionWork:
             text=outcome.text,
             turn_id=outcome.turn_ids[-1] if outcome.turn_ids else None,
             usage=outcome.turn_usage(),
+            stopped=outcome.stopped,
         )
         response_id = await self._log.append(
             conv.session_id,
@@ -170,13 +210,12 @@ class SessionWork:
             done.model_dump_json().encode(),
         )
 
-    async def _readiness(
-        self, conv: Conversation, readiness_id: UUID, attempt: int
-    ) -> Conversation:
+    async def _readiness(self, conv: Conversation, readiness: Event) -> Conversation:
+        readiness_id = readiness.id
         action = rules.decide(conv, EventType.CRIATIVO_READINESS_CONFIRMED, readiness_id)
         if action is Action.CONSOLIDATE:
             try:
-                outcome = await self._turns.consolidate(conv, readiness_id, attempt)
+                outcome = await self._turns.consolidate(conv, readiness_id, readiness.seq)
             except TurnFailed as exc:
                 await self._failed(conv, rules.CRIATIVO, readiness_id, exc)
                 return await self.catch_up(conv)
@@ -189,10 +228,22 @@ class SessionWork:
                 readiness_id,
                 f"criativo:brief:{readiness_id}",
             )
+            turn_ids = outcome.turn_ids
         elif action is Action.OFFER_EXISTING_BRIEF:
             brief_id = conv.briefs[readiness_id]
+            turn_ids = [consolidation_turn_id(readiness_id)]
         else:
             log.info("readiness_ignored", session_id=str(conv.session_id), action=action.value)
             return conv
+        # The consolidation's deltas end here; the brief is the event the turn produced.
+        await self._done(
+            conv,
+            AgentDone(
+                agent=rules.CRIATIVO,
+                causation_id=readiness_id,
+                turn_ids=turn_ids,
+                response_id=brief_id,
+            ),
+        )
         await queue_offer(self._pool, conv.project_id, conv.session_id, readiness_id, brief_id)
         return await self.catch_up(conv)

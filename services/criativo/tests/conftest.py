@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -36,7 +37,13 @@ from metering.providers.base import (
     ProviderReply,
     ProviderRequest,
 )
-from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCall, ScriptStep
+from metering.providers.scripted import (
+    UUID_PATTERN,
+    Script,
+    ScriptedProvider,
+    ScriptedToolCall,
+    ScriptStep,
+)
 from metering.testing import Metering, Starter
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
@@ -77,6 +84,57 @@ CRIATIVO_SCRIPT = Script(
 )
 
 
+# The issue 10 case: a message saying "RULE: …" is a rule the model records, slowly
+# enough for the person to type again meanwhile; one rule per such message it reads
+# in the last user turn (so a prompt that merges two messages records one twice).
+RULE_TEXT = re.compile(r"\[message ([0-9a-f-]{36})\]\nRULE: ([^\n]*)")
+RULE_WORDS = " ".join(f"regra{i}" for i in range(20))
+
+
+def rule_step(request: ProviderRequest) -> ScriptStep | None:
+    """The step answering a message that states a RULE, if this request is one."""
+    last = request.messages[-1]
+    if not isinstance(last.content, str) or not any(
+        t.name == "emit_artifact" for t in request.tools
+    ):
+        return None
+    found = RULE_TEXT.findall(last.content)
+    if not found:
+        return None
+    calls = [
+        ScriptedToolCall(
+            name="emit_artifact",
+            input={"type": "business_rule", "title": rule[:40], "statement": rule, "origin": [mid]},
+        )
+        for mid, rule in found
+    ]
+    return ScriptStep(text=RULE_WORDS, tool_calls=calls, token_delay_ms=30)
+
+
+def _answering(request: ProviderRequest) -> str:
+    """The message being answered: the last user turn written as text."""
+    texts = [m.content for m in request.messages if m.role == "user" and isinstance(m.content, str)]
+    return texts[-1] if texts else ""
+
+
+def _rule_for(request: ProviderRequest) -> ScriptedToolCall:
+    mid = UUID_PATTERN.findall(_answering(request))[-1]
+    rule = {"type": "business_rule", "title": "Parte", "statement": "parte", "origin": [mid]}
+    return ScriptedToolCall(name="emit_artifact", input=rule)
+
+
+def stop_step(request: ProviderRequest) -> ScriptStep | None:
+    """STOP-LATER: a first call that records a rule, then a second call the person stops
+    (metering replies `cancelled` with the text so far, and a tool call it cut)."""
+    if "STOP-LATER" not in _answering(request):
+        return None
+    if isinstance(request.messages[-1].content, str):
+        return ScriptStep(text="Primeira parte.", tool_calls=[_rule_for(request)])
+    return ScriptStep(
+        text="Segunda parte, interrom", tool_calls=[_rule_for(request)], stop_reason="cancelled"
+    )
+
+
 class RecordingProvider(ScriptedProvider):
     """The scripted provider, keeping every request it was asked (what the model read)."""
 
@@ -93,6 +151,12 @@ class RecordingProvider(ScriptedProvider):
         if self.failures > 0:
             self.failures -= 1
             raise ProviderError(ErrorCode.PROVIDER_ERROR, "the provider failed after retries")
+        step = rule_step(request) or stop_step(request)
+        if step is not None:
+            self.calls += 1
+            once = ScriptedProvider(Script(steps=[step]))
+            once.calls = self.calls  # tool_use ids stay unique across calls
+            return await once.complete(request, progress, on_text)
         return await super().complete(request, progress, on_text)
 
 

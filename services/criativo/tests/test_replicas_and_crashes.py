@@ -99,3 +99,84 @@ async def test_two_replicas_run_each_sessions_turns_in_one_place_at_a_time(
         for before, after in itertools.pairwise(turns):
             assert before["finished_at"] <= after["started_at"], "a session ran in two places"
     assert set(holders) == {"replica-a", "replica-b"}
+
+
+async def test_a_turn_replayed_after_a_crash_records_its_rule_once(
+    driver: Driver, spawn: Any, nc: Client
+) -> None:
+    # Killed right after the rule's append, before the turn's next call and its answer.
+    criativo = spawn("criativo", AGENTBUS_FAULT_POINTS="criativo.after_rule", **FAST_RETRIES)
+    await criativo.wait_ready(nc, "criativo")
+    session = await driver.open()
+    message = await driver.say(session, "Pedidos fecham às 18h")
+    await asyncio.to_thread(criativo.wait_exit)
+    assert len(await driver.events(session, "artifact.business_rule")) == 1
+    assert await driver.events(session, "agent.response") == []
+
+    criativo.start(**FAST_RETRIES)
+    await criativo.wait_ready(nc, "criativo")
+    answer = await driver.outcome(session, message)
+    assert answer.type.value == "agent.response"
+    rules = await driver.events(session, "artifact.business_rule")
+    assert [r.payload["origin"] for r in rules] == [[str(message)]]
+    # The redelivered turn replayed the call metering had already answered (same
+    # tool_use id, so the same rule event), and the model was asked once.
+    asked = [
+        r
+        for r in driver.provider.requests
+        if isinstance(r.messages[-1].content, str) and str(message) in r.messages[-1].content
+    ]
+    assert len(asked) == 1
+    turns = [row["turn_id"] for row in await driver.usage(session)]
+    assert turns == [f"criativo.{message}.1", f"criativo.{message}.2"]
+
+
+async def _lost_by_metering(driver: Driver, session: uuid.UUID, turn_id: str, ended: bool) -> None:
+    """What a metering replica killed mid-call leaves: the turn's hold, never settled
+    (the turn id looks in progress for ever), or a row without a reply (it ended
+    `cancelled`, as metering records a call cut by its own shutdown)."""
+    run_id = f"criativo.{session}"
+    async with driver.db.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "INSERT INTO metering.run_budgets (run_id) VALUES ($1) ON CONFLICT DO NOTHING", run_id
+        )
+        await conn.execute(
+            "INSERT INTO metering.budget_holds (turn_id, run_id, hold_micros, status) "
+            "VALUES ($1, $2, 0, $3)",
+            turn_id,
+            run_id,
+            "settled" if ended else "held",
+        )
+        if ended:
+            await conn.execute(
+                """INSERT INTO metering.token_usage (turn_id, run_id, kind, provider, model,
+                       agent_slug, project_id, session_id, input_tokens, output_tokens,
+                       cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,
+                       cost_micros, status, error_code, started_at, finished_at)
+                   VALUES ($1, $2, 'stream', 'scripted', 'claude-sonnet-4-6', 'criativo', $3,
+                       $4, 0, 0, 0, 0, 0, 0, 'cancelled', 'unavailable',
+                       now() - interval '1 minute', now() - interval '1 minute')""",
+                turn_id,
+                run_id,
+                driver.project,
+                session,
+            )
+
+
+async def test_a_turn_metering_lost_is_tried_again_under_a_retry_id(
+    driver: Driver, start_criativo: StartCriativo
+) -> None:
+    # Messages waiting while Criativo is down; metering lost their first call.
+    stuck, cut = await driver.open(), await driver.open()
+    stuck_message = await driver.say(stuck, "Um app para padarias")
+    cut_message = await driver.say(cut, "Um app para feiras")
+    await _lost_by_metering(driver, stuck, f"criativo.{stuck_message}.1", ended=False)
+    await _lost_by_metering(driver, cut, f"criativo.{cut_message}.1", ended=True)
+
+    await start_criativo(turn_in_progress_wait_seconds=0.5)
+    for session, message in ((stuck, stuck_message), (cut, cut_message)):
+        answer = await driver.outcome(session, message)
+        assert answer.type.value == "agent.response"
+        calls = [row["turn_id"] for row in await driver.usage(session)]
+        assert f"criativo.{message}.1.r1" in calls and f"criativo.{message}.2" in calls
+        assert len(await driver.events(session, "artifact.business_rule")) == 1

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from metering.cancels import DEFAULT_TTL_SECONDS, Cancellations
 from metering.catalog import Catalog
 from metering.handlers import SERVICE, build_endpoints
 from metering.providers.base import Provider
@@ -41,6 +42,9 @@ class MeteringSettings(ServiceSettings):
     # worst case. Longer than any call: the provider timeout and every retry.
     abandoned_hold_seconds: float = 1800.0
     hold_sweep_interval_seconds: float = 60.0
+    # How long a cancel is remembered for a stream that has not started yet (the
+    # announcement can overtake the stream request it stops).
+    cancel_memory_seconds: float = DEFAULT_TTL_SECONDS
 
 
 def build_provider(settings: MeteringSettings, script: Script | None = None) -> Provider:
@@ -73,10 +77,16 @@ def build_provider(settings: MeteringSettings, script: Script | None = None) -> 
     return ScriptedProvider(script)
 
 
-async def main(settings: MeteringSettings | None = None, provider: Provider | None = None) -> None:
-    """Serve metering's commands until stopped (tests pass their own provider here)."""
+async def main(
+    settings: MeteringSettings | None = None,
+    provider: Provider | None = None,
+    cancels: Cancellations | None = None,
+) -> None:
+    """Serve metering's commands until stopped (tests pass their own provider, and the
+    cancels they watch, here)."""
     settings = settings or MeteringSettings()
     provider = provider or build_provider(settings)
+    cancels = cancels or Cancellations(settings.cancel_memory_seconds)
     async with open_runtime(SERVICE, SCHEMA, ["metering.migrations"], settings) as rt:
         repo = MeteringRepository(rt.pool)
         catalog = Catalog(repo)
@@ -88,14 +98,19 @@ async def main(settings: MeteringSettings | None = None, provider: Provider | No
             ),
             "hold-sweeper",
         )
-        runner = TurnRunner(repo, catalog, provider, rt.nc)
+        # Listening before serving: a replica hears every cancel of the streams it runs.
+        cancel_sub = await cancels.subscribe(rt.nc)
+        runner = TurnRunner(repo, catalog, provider, rt.nc, cancels)
         endpoints = build_endpoints(repo, catalog, runner, rt.nc)
         service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)
         try:
             await wait_until_stopped(rt)
         finally:
             await service.stop()
+            # Still listening while the turns in flight finish: a person can stop a
+            # stream of a replica that is shutting down (another replica serves the cancel).
             await endpoints.drain()
+            await cancel_sub.unsubscribe()
             await provider.close()
 
 

@@ -11,6 +11,8 @@ from contracts.common import ErrorCode
 from contracts.metering import (
     BindingSetReply,
     BindingsReply,
+    CancelReply,
+    CancelTurn,
     ListBindings,
     LlmStream,
     LlmTurn,
@@ -45,6 +47,16 @@ def build_endpoints(
     @api.command(subjects.LLM_STREAM, LlmStream)
     async def stream(cmd: LlmStream) -> TurnReply:
         return await runner.run(cmd)
+
+    @api.command(subjects.LLM_CANCEL, CancelTurn)
+    async def cancel(cmd: CancelTurn) -> CancelReply:
+        # Any replica may receive it; the one running the turn hears the announcement.
+        # A turn of another project or session has no row under these keys and runs on
+        # no replica under them, so it is answered `cancelling` and left untouched.
+        if await repo.turn_ended(cmd.turn_id, cmd.project_id, cmd.session_id):
+            return CancelReply(turn_id=cmd.turn_id, status="finished")
+        await runner.cancels.announce(nc, cmd)
+        return CancelReply(turn_id=cmd.turn_id, status="cancelling")
 
     @api.command(subjects.BINDINGS_SET, SetBinding)
     async def set_binding(cmd: SetBinding) -> BindingSetReply:

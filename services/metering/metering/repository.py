@@ -199,6 +199,17 @@ class MeteringRepository:
         reply = TurnReply.model_validate(row["reply"]) if row["reply"] is not None else None
         return EndedTurn(row["status"], row["error_code"], reply)
 
+    async def turn_ended(self, turn_id: str, project_id: str, session_id: UUID) -> bool:
+        """Whether this project's session has a usage row for the turn (it ran to its end)."""
+        found = await self._pool.fetchval(
+            """SELECT true FROM token_usage
+                WHERE turn_id = $1 AND project_id = $2 AND session_id = $3""",
+            turn_id,
+            project_id,
+            session_id,
+        )
+        return bool(found)
+
     async def bindings(self) -> list[Binding]:
         """Every binding (the table is small: the cache holds all of it)."""
         rows = await self._pool.fetch(f"SELECT {BINDING_COLUMNS} FROM bindings ORDER BY id")
@@ -259,7 +270,8 @@ class MeteringRepository:
                           AS day,
                       CASE WHEN $6 THEN run_id END AS run,
                       count(*) AS calls,
-                      count(*) FILTER (WHERE status <> 'ok') AS errors,
+                      -- a stream the person stopped is not an error (no error_code)
+                      count(*) FILTER (WHERE error_code IS NOT NULL) AS errors,
                       sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens,
                       sum(cache_write_5m_tokens) AS cache_write_5m_tokens,
                       sum(cache_write_1h_tokens) AS cache_write_1h_tokens,

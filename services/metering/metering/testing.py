@@ -18,6 +18,7 @@ import pytest_asyncio
 from nats.aio.client import Client
 
 from metering.app import MeteringSettings, main
+from metering.cancels import Cancellations
 from metering.providers.base import Provider
 from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
 from servicekit.testing import running_service
@@ -62,6 +63,7 @@ class Metering:
     settings: MeteringSettings
     provider: Provider
     db: asyncpg.Connection
+    cancels: Cancellations
 
     @property
     def calls(self) -> int:
@@ -83,12 +85,13 @@ async def start_metering(nats_url: str, database_url: str, nc: Client) -> AsyncI
                 nats_url=nats_url, database_url=database_url, provider="scripted", **overrides
             )
             chosen = provider or ScriptedProvider(TEST_SCRIPT)
+            cancels = Cancellations(settings.cancel_memory_seconds)
             await stack.enter_async_context(
-                running_service(main(settings, provider=chosen), nc, "metering")
+                running_service(main(settings, provider=chosen, cancels=cancels), nc, "metering")
             )
             db = await asyncpg.connect(database_url, server_settings={"search_path": "metering"})
             stack.push_async_callback(db.close)
-            return Metering(settings, chosen, db)
+            return Metering(settings, chosen, db, cancels)
 
         yield start
 

@@ -6,6 +6,10 @@ The order is the guarantee (ADR 0008 decision 2, DESIGN.md "budget races"):
 2. whatever happens to the call (success, provider error, cancellation), its usage
    row is written and its hold settled to the real cost, in one transaction;
 3. a turn id whose row exists is answered from that row, never called again.
+
+A stream stopped by `cmd.llm.cancel` (metering.cancels) is not a failure: its reply is
+a normal `TurnReply` with `stop_reason: "cancelled"` and the text published up to the
+stop, its row has status `cancelled` and the usage the provider consumed until then.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from uuid import UUID
 
 from nats.aio.client import Client
 
 from contracts.common import ErrorCode
-from contracts.metering import LlmStream, LlmTurn, TurnDelta, TurnReply
+from contracts.metering import LlmStream, LlmTurn, ReplyBlock, TextBlock, TurnDelta, TurnReply
 from domain.errors import DomainError
 from domain.metering import (
     RunBudget,
@@ -32,8 +36,15 @@ from domain.metering import (
     settle,
     worst_case_micros,
 )
+from metering.cancels import Cancellations, RunningTurn
 from metering.catalog import Catalog
-from metering.providers.base import Progress, Provider, ProviderError, ProviderRequest
+from metering.providers.base import (
+    Progress,
+    Provider,
+    ProviderError,
+    ProviderReply,
+    ProviderRequest,
+)
 from metering.repository import EndedTurn, MeteringRepository, UsageRecord
 from servicekit.endpoint import UNAVAILABLE_ERRORS
 from servicekit.logs import get_logger
@@ -42,6 +53,8 @@ log = get_logger(__name__)
 
 # Writing the bill is retried for about half a minute before giving up on the store.
 RECORD_ATTEMPTS = 9
+# The stop reason of a stream stopped by `cmd.llm.cancel` (contracts.metering.TurnReply).
+CANCELLED = "cancelled"
 
 
 def prompt_bytes(cmd: LlmTurn) -> int:
@@ -82,9 +95,23 @@ class DeltaPublisher:
     turn_id: str
     causation_id: UUID | None = None
     seq: int = 0
+    # Set once the stream runs: after a stop nothing more is published.
+    running: RunningTurn | None = None
+    # What was handed on, the reply of a stopped stream (the SDK's own copy is lost
+    # with the aborted call).
+    pieces: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     async def __call__(self, text: str, emitted_at: float) -> None:
+        if self.running is not None and self.running.stopped:
+            return  # stopped: a flag look-up, no I/O on the per-token path
         self.seq += 1
+        # Before the publish: nats-py queues the message before its first await, so a
+        # piece recorded here is a piece that went out.
+        self.pieces.append(text)
         delta = TurnDelta(
             turn_id=self.turn_id,
             seq=self.seq,
@@ -100,6 +127,26 @@ class DeltaPublisher:
             log.warning("delta_publish_failed", turn_id=self.turn_id, error=repr(exc))
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a provider call ended: its reply (None when it failed), the usage row's status,
+    the error to answer with, and whether this replica is shutting down."""
+
+    reply: ProviderReply | None
+    status: str
+    error: DomainError | None = None
+    shutdown: bool = False
+
+
+def _stopped(publisher: DeltaPublisher | None) -> bool:
+    """Whether a cancel stopped this stream (and the command itself is not being cancelled:
+    a replica shutting down is not a person pressing Stop)."""
+    if publisher is None or publisher.running is None or not publisher.running.stopped:
+        return False
+    task = asyncio.current_task()
+    return task is None or task.cancelling() == 0
+
+
 class TurnRunner:
     """Runs metered turns against one provider."""
 
@@ -109,12 +156,14 @@ class TurnRunner:
         catalog: Catalog,
         provider: Provider,
         nc: Client,
+        cancels: Cancellations | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._repo = repo
         self._catalog = catalog
         self._provider = provider
         self._nc = nc
+        self.cancels = cancels or Cancellations()
         self._clock = clock
 
     async def run(self, cmd: LlmTurn) -> TurnReply:
@@ -151,24 +200,8 @@ class TurnRunner:
         )
         progress = Progress()
         stream = isinstance(cmd, LlmStream)
-        on_text = (
-            DeltaPublisher(self._nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id)
-            if isinstance(cmd, LlmStream)
-            else None
-        )
-        status, error = "ok", None
-        reply = None
-        try:
-            reply = await self._provider.complete(request, progress, on_text)
-        except ProviderError as exc:
-            status, error = "error", DomainError(exc.code, exc.message)
-        except asyncio.CancelledError:
-            # Shut down mid-call: bill what the provider produced, then stop.
-            status = "cancelled"
-            error = DomainError(ErrorCode.UNAVAILABLE, "the turn was cancelled; retry it")
-        except Exception as exc:
-            log.exception("provider_failed", turn_id=cmd.turn_id)
-            status, error = "error", DomainError(ErrorCode.PROVIDER_ERROR, repr(exc))
+        outcome = await self._call(cmd, request, progress)
+        reply, status, error = outcome.reply, outcome.status, outcome.error
 
         usage = progress.usage
         cost = cost_micros(usage, price)
@@ -204,13 +237,59 @@ class TurnRunner:
         )
         # Shielded: a cancellation must not stop the bill from being written.
         remaining = await asyncio.shield(self._record(record, cmd.run_id))
-        if status == "cancelled":
+        if outcome.shutdown:
             raise asyncio.CancelledError
         if error is not None:
             error.details.update(turn_id=cmd.turn_id, cost_micros=cost, status=status)
             raise error
         assert answer is not None
         return answer.model_copy(update={"budget_remaining_micros": remaining})
+
+    async def _call(self, cmd: LlmTurn, request: ProviderRequest, progress: Progress) -> Outcome:
+        """Call the provider. A stream's call runs in a task of its own, registered with
+        the cancels, so that `cmd.llm.cancel` can abort it without touching this one."""
+        if not isinstance(cmd, LlmStream):
+            call = self._provider.complete(request, progress, None)
+            outcome = await self._outcome(call, None, cmd.turn_id)
+            assert outcome is not None  # only a stream can be stopped
+            return outcome
+        publisher = DeltaPublisher(self._nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id)
+        task = asyncio.ensure_future(self._provider.complete(request, progress, publisher))
+        # A cancel heard before this point stops the task here, before its first step:
+        # the provider is then never called.
+        publisher.running = self.cancels.start(cmd.turn_id, cmd.project_id, cmd.session_id, task)
+        try:
+            outcome = await self._outcome(task, publisher, cmd.turn_id)
+        finally:
+            self.cancels.finish(publisher.running)
+        if outcome is not None:
+            return outcome
+        # Stopped by a cancel: a normal reply holding the text published until then.
+        content: list[ReplyBlock] = [TextBlock(text=publisher.text)] if publisher.pieces else []
+        return Outcome(ProviderReply(content, CANCELLED, request.model), CANCELLED)
+
+    async def _outcome(
+        self, call: Awaitable[ProviderReply], publisher: DeltaPublisher | None, turn_id: str
+    ) -> Outcome | None:
+        """How the call ended; None when `cmd.llm.cancel` stopped it, whatever the provider
+        did while it unwound (an error from the cut connection, even a whole reply)."""
+        try:
+            reply = await call
+            if not _stopped(publisher):
+                return Outcome(reply, "ok")
+        except ProviderError as exc:
+            if not _stopped(publisher):
+                return Outcome(None, "error", DomainError(exc.code, exc.message))
+        except asyncio.CancelledError:
+            if not _stopped(publisher):
+                # Shut down mid-call: bill what the provider produced, then stop.
+                error = DomainError(ErrorCode.UNAVAILABLE, "the turn was cancelled; retry it")
+                return Outcome(None, CANCELLED, error, shutdown=True)
+        except Exception as exc:
+            if not _stopped(publisher):
+                log.exception("provider_failed", turn_id=turn_id)
+                return Outcome(None, "error", DomainError(ErrorCode.PROVIDER_ERROR, repr(exc)))
+        return None
 
     async def _repeated(self, turn_id: str) -> TurnReply:
         ended = await self._repo.ended_turn(turn_id)

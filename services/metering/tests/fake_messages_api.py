@@ -2,7 +2,11 @@
 
 Each request to `POST /v1/messages` takes the next `Reply` from the queue: a JSON
 body (any status, any headers such as `retry-after`), or an SSE stream of events
-that may end normally, drop the connection, or hold until the client goes away.
+that may end normally, drop the connection, hold until the client goes away, or
+slow down after some events (`pace_after`) like a long answer being written, and
+stop as soon as the client closes the connection. `events_sent` then tells how many
+events the client was given before it left: fewer than the reply had means the
+client closed the connection rather than draining it.
 Requests are recorded (headers and parsed body) for the tests to inspect. The
 official SDK is pointed at it through `base_url`, so its real code paths run.
 """
@@ -32,6 +36,10 @@ class Reply:
     events: list[Event] | None = None  # an SSE response
     drop_after: int | None = None  # close the socket abruptly after this many events
     hold_after: int | None = None  # after this many events, wait for the client to leave
+    # After this many events, wait `pace_seconds` before each next one, and stop sending
+    # when the client closes the connection (a long answer, slow enough to cancel).
+    pace_after: int | None = None
+    pace_seconds: float = 0.05
 
 
 @dataclass
@@ -50,6 +58,8 @@ class FakeMessagesApi:
         self.replies: list[Reply] = []
         self.requests: list[Recorded] = []
         self.client_left = asyncio.Event()
+        # per SSE reply, in order: how many of its events were written before it ended
+        self.events_sent: list[int] = []
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -114,22 +124,56 @@ class FakeMessagesApi:
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
         )
-        for i, (name, data) in enumerate(reply.events):
-            if reply.drop_after is not None and i == reply.drop_after:
-                writer.transport.abort()  # no final chunk: the client sees a broken stream
-                return False
-            if reply.hold_after is not None and i == reply.hold_after:
-                await writer.drain()
-                await reader.read()  # returns at EOF: the client closed its side
-                self.client_left.set()
-                return False
-            chunk = f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
-            writer.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-            await writer.drain()
+        left = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_eof(reader, left))
+        try:
+            sent = await self._send_events(reply, writer, left)
+        finally:
+            watcher.cancel()
+        self.events_sent.append(sent)
+        if sent < len(reply.events):
+            return False
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         writer.close()
         return False
+
+    async def _send_events(
+        self, reply: Reply, writer: asyncio.StreamWriter, left: asyncio.Event
+    ) -> int:
+        """Write the reply's events; returns how many went out before it stopped."""
+        assert reply.events is not None
+        for i, (name, data) in enumerate(reply.events):
+            if reply.drop_after is not None and i == reply.drop_after:
+                writer.transport.abort()  # no final chunk: the client sees a broken stream
+                return i
+            if reply.hold_after is not None and i == reply.hold_after:
+                await writer.drain()
+                await left.wait()  # the client closed its side
+                self.client_left.set()
+                return i
+            if reply.pace_after is not None and i >= reply.pace_after:
+                # The pace of a slow answer, not a synchronisation: the wait ends early
+                # when the client leaves.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(left.wait(), reply.pace_seconds)
+                if left.is_set():
+                    self.client_left.set()
+                    return i
+            chunk = f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+            writer.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            await writer.drain()
+        return len(reply.events)
+
+    @staticmethod
+    async def _watch_eof(reader: asyncio.StreamReader, left: asyncio.Event) -> None:
+        """Set `left` when the client closes the connection (EOF or reset)."""
+        try:
+            while await reader.read(65536):
+                pass
+        except ConnectionError:
+            pass
+        left.set()
 
 
 # --- building replies --------------------------------------------------------

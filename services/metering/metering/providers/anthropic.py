@@ -4,8 +4,9 @@
   events are handed on as they arrive.
 - Usage: `message_start` carries input and cache tokens; every `message_delta`
   carries *cumulative* counts, so the last one seen is kept, never summed. A call
-  that fails or is cancelled mid-stream is billed from what was seen (output is at
-  least the number of text events received).
+  that fails or is cancelled mid-stream is billed from what was seen; its output
+  count, which the API sends only at the end, is estimated from the text received
+  (`estimate_output_tokens`).
 - Retries: the SDK's own retries are off (`max_retries=0`) so that this loop decides:
   429, 529, `overloaded_error` (also when it arrives as an SSE `error` event in the
   middle of a stream), 5xx and connection failures are retried with backoff,
@@ -68,6 +69,22 @@ def with_delta(current: TokenUsage, delta: MessageDeltaUsage) -> TokenUsage:
             delta.cache_creation_input_tokens - current.cache_write_1h_tokens
         )
     return current.model_copy(update=update)
+
+
+# Characters per output token assumed when a stream is cut before its usage arrives.
+CHARS_PER_TOKEN = 4
+
+
+def estimate_output_tokens(text_events: int, chars: int) -> int:
+    """Output tokens of a stream cut short, from the text received.
+
+    The API reports output usage in `message_delta`, in practice only at the end, so a
+    stream aborted mid-way (a cancel, a dropped connection) never hears its count. It is
+    estimated, rounding up: one token per `CHARS_PER_TOKEN` characters, and never fewer
+    than one per text event (each text delta carries at least one token). The text of a
+    tool call's JSON is not counted: it is under-billed, never over-billed.
+    """
+    return max(text_events, -(-chars // CHARS_PER_TOKEN))
 
 
 def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
@@ -213,7 +230,7 @@ class AnthropicProvider:
     async def _stream(
         self, params: dict[str, Any], progress: Progress, on_text: OnText
     ) -> SdkMessage:
-        texts, stopped = 0, False
+        texts, chars, stopped = 0, 0, False
         try:
             async with self._client.messages.stream(**params) as stream:
                 async for event in stream:
@@ -225,6 +242,7 @@ class AnthropicProvider:
                         progress.current = with_delta(progress.current, event.usage)
                     elif event.type == "text":
                         texts += 1
+                        chars += len(event.text)
                         await on_text(event.text, progress.text())
                 if not stopped:
                     # A body that ended without message_stop was cut short somewhere.
@@ -233,10 +251,13 @@ class AnthropicProvider:
                     )
                 message = await stream.get_final_message()
         except BaseException:
-            # Failed or cancelled mid-stream: at least one output token per text event
-            # received was produced, even if no message_delta said so yet.
-            if texts > progress.current.output_tokens:
-                progress.current = progress.current.model_copy(update={"output_tokens": texts})
+            # Failed, or cancelled (shutdown, or `cmd.llm.cancel`: leaving the `async with`
+            # closes the HTTP response, so the connection is closed, not drained).
+            # Input and cache tokens are message_start's; output is what the last
+            # message_delta said, unless the text received implies more (see below).
+            estimate = estimate_output_tokens(texts, chars)
+            if estimate > progress.current.output_tokens:
+                progress.current = progress.current.model_copy(update={"output_tokens": estimate})
             raise
         progress.current = usage_of(message.usage)
         return message
