@@ -108,16 +108,29 @@ async def test_twenty_clients_joining_across_a_turns_end_see_each_event_once(
     print(f"deltas of the turn per joiner: {got}")  # joins before the end get some
 
 
+# Each outcome with what it needs: its payload, and whether its cause is the person's
+# readiness (the consolidation turn) rather than any earlier event.
+OUTCOME_CASES = {
+    EventType.AGENT_RESPONSE.value: ({"agent": "criativo", "text": "w1 w2 w3"}, False),
+    EventType.AGENT_ERROR.value: ({"agent": "criativo", "code": "x", "reason": "failed"}, False),
+    EventType.ARTIFACT_PRODUCT_BRIEF.value: ({"title": "Brief", "summary": "w1 w2 w3"}, True),
+}
+
+
+@pytest.mark.parametrize("outcome", list(OUTCOME_CASES))
 async def test_an_outcome_in_the_log_ends_its_turn_even_before_agent_done(
-    gateway: Gateway, nc: Client
+    gateway: Gateway, nc: Client, outcome: str
 ) -> None:
     """The outcome committed, its `agent.done` not yet published: the DELTAS stream still
     holds the turn open. Made deterministic here by never publishing the done."""
+    payload, after_readiness = OUTCOME_CASES[outcome]
     session_id = await gateway.open_session()
     watcher = await gateway.ws()
     await watcher.request({"type": "join", "session_id": str(session_id)})
-    await wait_for(lambda: watcher.event_seqs() == [1])
-    cause = watcher.of("event")[0]["event"]["id"]
+    if after_readiness:
+        await watcher.request({"type": "confirm_readiness"})
+    await wait_for(lambda: len(watcher.event_seqs()) == (2 if after_readiness else 1))
+    cause = watcher.of("event")[-1]["event"]["id"]
     js = nc.jetstream()
     delta_subject = subjects.delta_subject(gateway.project, session_id)
 
@@ -142,9 +155,9 @@ async def test_an_outcome_in_the_log_ends_its_turn_even_before_agent_done(
         subjects.EVENTS_APPEND,
         AppendEvent(
             session_id=session_id,
-            type=EventType.AGENT_RESPONSE.value,
+            type=outcome,
             actor="agent:criativo",
-            payload={"agent": "criativo", "text": "w1 w2 w3"},
+            payload=payload,
             causation_id=cause,
         ),
         AppendedReply,
@@ -165,7 +178,7 @@ async def test_an_outcome_in_the_log_ends_its_turn_even_before_agent_done(
 
     for client in (watcher, mid_turn, fresh, resumed):
         await wait_for(lambda c=client: t1_deltas(c) is not None, what="the sentinel delta")
-    assert fresh.event_seqs() == [1, response.seq] and t1_deltas(fresh) == []
+    assert fresh.event_seqs() == list(range(1, response.seq + 1)) and t1_deltas(fresh) == []
     assert resumed.frames[0]["type"] == "ack" and resumed.of("event") == []
     assert t1_deltas(resumed) == [], "deltas of a turn whose outcome the client had"
     assert t1_deltas(mid_turn) == [1, 2, 3], "a delta after the outcome"
