@@ -95,11 +95,15 @@ function liveBubble(cause) {
   return live;
 }
 
+function resetStop() {
+  Object.assign(stopButton, { hidden: true, disabled: false, textContent: "Stop" });
+}
+
 function endStream(cause) {
   const live = streaming.get(cause);
   streaming.delete(cause);
   answered.add(cause);
-  stopButton.hidden = streaming.size === 0;
+  if (streaming.size === 0) resetStop();
   return live;
 }
 
@@ -211,6 +215,8 @@ function onFrame(f) {
       savePending();
     }
     problem.textContent = `${f.code}: ${f.message}`;
+    stopButton.disabled = false; // a refused stop can be pressed again
+    stopButton.textContent = "Stop";
   }
 }
 
@@ -234,13 +240,21 @@ conn.open();
 
 // Frames other than chat act on the state of the moment: not sent later, but never silently dropped.
 function act(frame) {
-  if (!conn.send(frame)) problem.textContent = "not connected: try again once the connection is live";
+  const sent = conn.send(frame);
+  if (!sent) problem.textContent = "not connected: try again once the connection is live";
+  return sent;
 }
 
 document.getElementById("start-criativo").onclick = () => act({ type: "start_agent", agent: "criativo" });
 document.getElementById("ready").onclick = () => act({ type: "confirm_readiness" });
 document.getElementById("close").onclick = () => act({ type: "close_session" });
-stopButton.onclick = () => { if (lastTurn) act({ type: "stop_turn", turn_id: lastTurn }); };
+stopButton.onclick = () => {
+  if (!lastTurn) return;
+  // One press is enough: the stopped answer arrives as the turn's outcome and hides the button.
+  if (!act({ type: "stop_turn", turn_id: lastTurn })) return;
+  stopButton.disabled = true;
+  stopButton.textContent = "Stopping…";
+};
 document.getElementById("say").onsubmit = (ev) => {
   ev.preventDefault();
   const input = document.getElementById("text");
