@@ -222,6 +222,47 @@ async def test_a_permanent_refusal_is_dead_lettered_and_its_session_goes_on(
     assert json.loads(dead["body"])["idempotency_key"] == "e-1"
 
 
+async def test_a_permanent_refusal_is_counted(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    fake_log.refuse["e-1"] = "invalid_request"
+    await enqueue_appends(pool, (uuid.uuid4(), "e-1"))
+    before = outbox.DEAD_LETTERS[subjects.EVENTS_APPEND]
+    relay = OutboxRelay(pool, LogAppender(nc))
+
+    await relay.drain_once()
+
+    assert relay.dead_lettered == 1
+    assert outbox.DEAD_LETTERS[subjects.EVENTS_APPEND] == before + 1
+
+
+async def test_an_internal_error_is_retried_a_bounded_number_of_times_then_dead_lettered(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    session = uuid.uuid4()
+    fake_log.refuse["e-1"] = "internal"
+    await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
+    relay = OutboxRelay(pool, LogAppender(nc))
+
+    await relay.drain_once()
+    assert await waiting(pool) == [("e-1", 1), ("e-2", 1)]  # retried, its session waits
+    assert fake_log.appended == []
+
+    # the last allowed attempt is due
+    await pool.execute(
+        "UPDATE outbox SET available_at = now(), attempts = CASE msg_id WHEN 'e-1' THEN $1"
+        " ELSE attempts END",
+        outbox.MAX_INTERNAL_ATTEMPTS - 1,
+    )
+    await relay.drain_once()
+
+    assert fake_log.appended == ["e-2"]
+    assert await waiting(pool) == []
+    [dead] = await pool.fetch("SELECT msg_id, deliveries, reason FROM dead_letters")
+    assert (dead["msg_id"], dead["deliveries"]) == ("e-1", outbox.MAX_INTERNAL_ATTEMPTS)
+    assert dead["reason"].startswith("internal:")
+
+
 async def test_an_event_for_the_log_needs_an_idempotency_key(pool: asyncpg.Pool) -> None:
     event = AppendEvent(
         session_id=uuid.uuid4(), type="chat.message", actor="system:kit-tests", payload={}
