@@ -39,6 +39,7 @@ from nats.js import JetStreamContext
 from contracts import subjects
 from contracts.common import ErrorCode
 from contracts.session_events import AppendEvent
+from domain import log_rules
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
 from servicekit.faults import crash_point
@@ -110,10 +111,25 @@ async def enqueue(
     )
 
 
+def check_appendable(event: AppendEvent) -> None:
+    """Refuse, before anything is committed, an event the log would refuse for its shape:
+    an unknown or reserved type, a payload its contract model rejects, an oversized one.
+
+    A service's state change and its event commit together or not at all; an event the
+    log could never take would leave the change announced to nobody (issue 11), so the
+    command is refused with the log's own code instead (`invalid_payload`, …).
+    """
+    event_type = log_rules.parse_event_type(event.type)
+    parsed = log_rules.validate_payload(event_type, event.payload)
+    log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
+
+
 def append_args(event: AppendEvent) -> list[Any]:
-    """`queue_args` for an event to append to the session log (see `enqueue_append`)."""
+    """`queue_args` for an event to append to the session log (see `enqueue_append`);
+    raises `DomainError` for an event the log would refuse (`check_appendable`)."""
     if event.idempotency_key is None:
         raise ValueError("an event appended through the outbox needs an idempotency_key")
+    check_appendable(event)
     return queue_args(
         subjects.EVENTS_APPEND,
         event.idempotency_key,
