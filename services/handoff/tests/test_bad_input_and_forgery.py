@@ -7,10 +7,11 @@ import json
 import uuid
 from datetime import UTC, datetime
 
+import asyncpg
 import pytest
 from nats.aio.client import Client
 
-from contracts import subjects
+from contracts import streams, subjects
 from contracts.common import ErrorCode
 from contracts.events import Event, EventType
 from contracts.handoff import (
@@ -19,6 +20,7 @@ from contracts.handoff import (
     HandoffDecision,
     HandoffReply,
 )
+from handoff.handlers import CONSUMER
 from servicekit import outbox, provenance
 from servicekit.client import call
 from servicekit.testing import wait_for
@@ -120,6 +122,17 @@ def forged_closing(project: str, session_id: uuid.UUID, **fields: object) -> Eve
     )
 
 
+async def forgeries_acked(nc: Client, db: asyncpg.Pool) -> None:
+    """Every forgery acked (nothing pending, nothing redelivered), none dead-lettered."""
+
+    async def settled() -> bool:
+        info = await nc.jetstream().consumer_info(streams.EVENTS.name, CONSUMER)
+        return info.num_ack_pending == 0 and info.num_redelivered == 0
+
+    await wait_for(settled, what="the forgeries acked")
+    assert await db.fetchval("SELECT count(*) FROM handoff.dead_letters") == 0
+
+
 async def publish(nc: Client, event: Event) -> None:
     js = nc.jetstream()
     subject = f"{event.type.value}.{event.project_id}.{event.session_id}"
@@ -151,6 +164,7 @@ async def test_a_forged_closing_ends_nothing_and_a_real_one_after_it_does(bus: D
         await publish(bus.nc, event)
 
     await wait_for(lambda: sum(provenance.FORGED_EVENTS.values()) >= ignored + len(forgeries))
+    await forgeries_acked(bus.nc, bus.db)
     assert await active_agents(bus) == [(s, "criativo")]
 
     await bus.close(s)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
+import asyncpg
 from nats.aio.client import Client
 
-from contracts import subjects
+from contracts import streams, subjects
 from contracts.events import Event, EventType
 from contracts.psychologist import HypothesesReply, ListHypotheses
+from psychologist.handlers import CONSUMER
 from servicekit import provenance
 from servicekit.client import call
 from servicekit.testing import wait_for
@@ -36,6 +38,17 @@ def forged_closing(project: str, session_id: uuid.UUID, **fields: object) -> Eve
             **fields,
         }
     )
+
+
+async def forgeries_acked(nc: Client, db: asyncpg.Pool) -> None:
+    """Every forgery acked (nothing pending, nothing redelivered), none dead-lettered."""
+
+    async def settled() -> bool:
+        info = await nc.jetstream().consumer_info(streams.EVENTS.name, CONSUMER)
+        return info.num_ack_pending == 0 and info.num_redelivered == 0
+
+    await wait_for(settled, what="the forgeries acked")
+    assert await db.fetchval("SELECT count(*) FROM psychologist.dead_letters") == 0
 
 
 async def publish(nc: Client, event: Event) -> None:
@@ -64,6 +77,7 @@ async def test_forged_closings_are_ignored_and_a_real_one_is_still_analysed(bus:
         lambda: sum(provenance.FORGED_EVENTS.values()) >= ignored + len(forgeries),
         what="every forgery ignored",
     )
+    await forgeries_acked(bus.nc, bus.db)
     assert bus.provider.requests == []
     assert (await bus.usage()).total_calls == 0
     assert await bus.analyses(s) == []
