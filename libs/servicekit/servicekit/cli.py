@@ -10,6 +10,7 @@ agentbus provision                create or update the streams (the `provision` 
 agentbus republish --session S | --since T
                                   publish the log's events again from Postgres
 agentbus nats-config              the NATS users and permissions, passwords from env
+agentbus nats-passwords           new random passwords for them, as env lines (.env)
 
 On the embedded stack (`make up`) the credentials come from `.agentbus/`; with
 `NATS_URL` set, from `NATS_USER`/`NATS_PASSWORD` (none: anonymous).
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument(
         "--with-admin", action="store_true", help="include the unrestricted `admin` user"
     )
+    sub.add_parser(
+        "nats-passwords", help="new random NATS passwords as NAME=value lines (for .env)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "up":
@@ -240,6 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_provision())
     if args.command == "republish":
         return asyncio.run(_republish(args.session, args.since))
+    if args.command == "nats-passwords":
+        import secrets
+
+        from servicekit.natsconf import password_variable
+
+        for user in USERS:
+            if user != ADMIN:  # the deployed configs have no unrestricted user
+                print(f"{password_variable(user)}={secrets.token_urlsafe(24)}")
+        return 0
     if args.command == "nats-config":
         from servicekit.natsconf import accounts_block, env_passwords, render
 

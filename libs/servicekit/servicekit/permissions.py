@@ -130,6 +130,8 @@ def service_permissions(access: Access) -> Permissions:
     publish = [
         *access.calls,
         *access.publishes,
+        # the probe in its own pod (`agentbus ping <service>`) pings its own replicas
+        f"$SRV.PING.{access.service}",
         # the start-up check that the streams exist as declared
         f"{JS_API}.INFO",
         *(f"{JS_API}.STREAM.INFO.{name}" for name in STREAM_NAMES),

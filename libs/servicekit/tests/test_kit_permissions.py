@@ -98,6 +98,10 @@ PUBLISH = [
     ("handoff", subjects.EVENTS_APPEND, True),
     ("handoff", subjects.LLM_TURN, False),
     ("handoff", "$JS.API.CONSUMER.CREATE.EVENTS.handoff-session-closings", True),
+    # a probe in the service's pod pings its own replicas, no one else's
+    ("handoff", "$SRV.PING.handoff", True),
+    ("handoff", "$SRV.PING.metering", False),
+    ("handoff", "$SRV.INFO", False),
     # metering: deltas (only there), its notices; it calls nobody
     ("metering", DELTA, True),
     ("metering", DONE, False),
