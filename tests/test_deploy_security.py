@@ -60,6 +60,7 @@ def passwords() -> dict[str, str]:
 
 
 def test_the_committed_auth_blocks_are_what_the_catalog_generates() -> None:
+    # after a change to the catalog: `make nats-config`
     expected = generated_auth()
 
     assert (ROOT / "deploy" / "nats" / "auth.conf").read_text() == expected
@@ -151,3 +152,19 @@ def test_compose_gives_each_service_its_own_user_and_provisions_first() -> None:
     nats_env = services["nats"]["environment"]
     assert set(nats_env) == {password_variable(u) for u in DEPLOYED_USERS}
     assert "./deploy/nats:/etc/nats:ro" in services["nats"]["volumes"]
+
+
+def test_make_nats_config_rewrites_both_blocks_in_place(tmp_path: Path) -> None:
+    from servicekit.natsconf import COMPOSE_AUTH, K8S_NATS, write_deployed_auth
+
+    for rel in (COMPOSE_AUTH, K8S_NATS):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((ROOT / rel).read_text().replace("gateway", "stale"))
+
+    write_deployed_auth(tmp_path)
+
+    assert (tmp_path / COMPOSE_AUTH).read_text() == (ROOT / COMPOSE_AUTH).read_text()
+    rewritten = (tmp_path / K8S_NATS).read_text()
+    # the auth block is back; the rest of the manifest is left as it was
+    assert rewritten.count('user: "gateway"') == 1
+    assert rewritten.replace("stale", "gateway") == (ROOT / K8S_NATS).read_text()
