@@ -191,3 +191,20 @@ async def test_a_service_refuses_to_start_without_its_streams_and_creates_none(
     ]
     assert len(lines) == 1 and "EVENTS: missing" in lines[0] and "agentbus provision" in lines[0]
     assert await check_streams(nc.jetstream(), streams.ALL) == ["EVENTS: missing"]
+
+
+async def test_a_running_service_that_loses_events_stops_and_never_recreates_it(
+    secured: Servers, nc: Client, connect_as: Any, spawn: Any
+) -> None:
+    handoff = spawn("handoff")
+    await handoff.wait_ready(nc, "handoff")
+    provision = await connect_as("provision")
+
+    await provision.jetstream().delete_stream(streams.EVENTS.name)
+    crashed = await asyncio.get_running_loop().run_in_executor(None, handoff.wait_exit)
+    # what its supervisor does next: start it again, which it refuses until provisioned
+    refused = await asyncio.get_running_loop().run_in_executor(None, handoff.start().wait_exit)
+
+    assert crashed != 0
+    assert refused == EXIT_NOT_PROVISIONED
+    assert await check_streams(nc.jetstream(), streams.ALL) == ["EVENTS: missing"]
