@@ -6,7 +6,7 @@ UV := .tools/bin/uv
 RUN := $(UV) run --frozen
 
 .DEFAULT_GOAL := help
-.PHONY: help setup up down test lint format bench asyncapi clean chromium
+.PHONY: help setup up down test lint format bench asyncapi nats-config clean chromium
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -51,6 +51,9 @@ bench: setup ## run the benchmarks (each measures its own baselines)
 
 asyncapi: setup ## regenerate contracts/asyncapi.json from the contracts
 	$(RUN) python -m contracts.asyncapi --write
+
+nats-config: setup ## regenerate the NATS users of docker-compose and deploy/k8s from the contracts
+	$(RUN) agentbus nats-config --write
 
 clean: ## remove the virtualenvs and the local state (.agentbus: the embedded servers' data)
 	rm -rf .venv .tools .agentbus

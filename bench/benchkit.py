@@ -19,6 +19,8 @@ import contextlib
 import math
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -66,6 +68,13 @@ def servers(prefix: str = "agentbus-bench-") -> Iterator[Servers]:
             pg_server = start_postgres(state)
             stack.callback(pg_server.stop)
             pg_url = pg_server.url
+        # Services only check the streams (issue 11): provision them as `make up` does.
+        subprocess.run(
+            [sys.executable, "-m", "servicekit.cli", "provision"],
+            env={**os.environ, "NATS_URL": nats_url},
+            check=True,
+            capture_output=True,
+        )
         yield Servers(nats_url, pg_url, nats_pid, state)
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts import subjects
+from contracts import streams, subjects
 from contracts.common import Message
+from contracts.events import EventType
 from contracts.handoff import (
     AcceptReply,
     ActivateAgent,
@@ -109,3 +110,150 @@ COMMANDS = [
     Command(subjects.HYPOTHESES_DISMISS, "psychologist", HypothesisDecision, HypothesisReply),
     Command(subjects.HYPOTHESES_LIST, "psychologist", ListHypotheses, HypothesesReply),
 ]
+
+
+# --- Who may use the bus (DESIGN.md) -------------------------------------------------
+# Every service's traffic besides the commands it serves (those are read off COMMANDS
+# above), declared once; `servicekit.permissions` derives each NATS user from it. A
+# subject a service uses that is not declared here is refused by the server, so this
+# list is kept honest by the whole test suite running on the secured server.
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A durable JetStream consumer a service owns: its name and its stream."""
+
+    name: str
+    stream: str
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one service does on the bus, beyond serving its own commands."""
+
+    service: str
+    # Commands of other services it sends (request/reply).
+    calls: tuple[str, ...] = ()
+    # Subjects it publishes outside request/reply: events, deltas, notices.
+    publishes: tuple[str, ...] = ()
+    # Core NATS subscriptions: live feeds and notices.
+    subscribes: tuple[str, ...] = ()
+    # Its durable consumers (JetStream consumer API, acks, dead letters).
+    durables: tuple[Durable, ...] = ()
+    # Streams it reads through short-lived consumers of its own (the gateway's catch-up).
+    reads: tuple[str, ...] = ()
+    # NATS KV buckets it owns. A bucket holds only leases that expire by themselves, so
+    # its owner may create it and set its TTL: losing one costs nothing, unlike a stream.
+    buckets: tuple[str, ...] = ()
+
+
+EVERY_EVENT = tuple(subjects.event_filter(t) for t in EventType)
+EVERY_DELTA = (subjects.delta_subject("*", "*"), subjects.done_subject("*", "*"))
+# Events, deltas and turn ends are all `<a>.<b>.<project>.<session>`: a session's whole
+# feed is one subscription `*.*.<p>.<s>` (the gateway's). No command, inbox, ack or
+# notice subject has four tokens.
+SESSION_FEED = "*.*.*.*"
+
+CRIATIVO_INPUTS = Durable("criativo-inputs", streams.EVENTS.name)
+HANDOFF_CLOSINGS = Durable("handoff-session-closings", streams.EVENTS.name)
+PSYCHOLOGIST_CLOSINGS = Durable("psychologist-session-closings", streams.EVENTS.name)
+CRIATIVO_LEASES = "criativo_leases"
+
+# Agents reach a provider only through metering (`cmd.llm.turn|stream`); a consumer
+# confirms what it was delivered with the log (`cmd.events.get`) before acting.
+ACCESS = [
+    Access(
+        "session_events",
+        # The log is the one publisher of events: appending is the only way in.
+        publishes=EVERY_EVENT,
+    ),
+    Access(
+        "handoff",
+        calls=(
+            subjects.EVENTS_APPEND,
+            subjects.EVENTS_GET,
+            subjects.SESSIONS_GET,
+        ),
+        durables=(HANDOFF_CLOSINGS,),
+    ),
+    Access(
+        "metering",
+        # Deltas go where the caller names, within the delta subjects only.
+        publishes=(
+            subjects.delta_subject("*", "*"),
+            subjects.BINDINGS_CHANGED,
+            subjects.TURN_CANCELLED,
+        ),
+        subscribes=(subjects.BINDINGS_CHANGED, subjects.TURN_CANCELLED),
+    ),
+    Access(
+        "psychologist",
+        calls=(
+            subjects.EVENTS_APPEND,
+            subjects.EVENTS_GET,
+            subjects.EVENTS_LIST,
+            subjects.EVENTS_QUERY,
+            subjects.SESSIONS_GET,
+            subjects.LLM_TURN,
+            subjects.LLM_STREAM,
+        ),
+        durables=(PSYCHOLOGIST_CLOSINGS,),
+    ),
+    Access(
+        "criativo",
+        calls=(
+            subjects.EVENTS_APPEND,
+            subjects.EVENTS_GET,
+            subjects.EVENTS_LIST,
+            subjects.SESSIONS_TERMINATE,
+            subjects.HANDOFFS_OFFER,
+            subjects.LLM_TURN,
+            subjects.LLM_STREAM,
+        ),
+        publishes=(subjects.done_subject("*", "*"),),
+        durables=(CRIATIVO_INPUTS,),
+        buckets=(CRIATIVO_LEASES,),
+    ),
+    Access(
+        "gateway",
+        # No event subject to publish and no `cmd.llm.turn|stream`: the gateway turns a
+        # person's actions into commands and relays what the log publishes. It may
+        # cancel a turn (the Stop button): that only ends spending.
+        calls=(
+            subjects.SESSIONS_OPEN,
+            subjects.SESSIONS_CLOSE,
+            subjects.SESSIONS_HEARTBEAT,
+            subjects.SESSIONS_GET,
+            subjects.SESSIONS_LIST,
+            subjects.EVENTS_APPEND,
+            subjects.EVENTS_LIST,
+            subjects.AGENTS_ACTIVATE,
+            subjects.HANDOFFS_ACCEPT,
+            subjects.HANDOFFS_REJECT,
+            subjects.HANDOFFS_LIST,
+            subjects.HYPOTHESES_ACCEPT,
+            subjects.HYPOTHESES_DISMISS,
+            subjects.HYPOTHESES_LIST,
+            subjects.PSYCHOLOGIST_REANALYZE,
+            subjects.BINDINGS_LIST,
+            subjects.BINDINGS_SET,
+            subjects.USAGE_SUMMARY,
+            subjects.LLM_CANCEL,
+        ),
+        subscribes=(SESSION_FEED,),
+        reads=(streams.DELTAS.name,),
+    ),
+]
+
+
+def access_of(service: str) -> Access:
+    """The declared access of one service."""
+    for access in ACCESS:
+        if access.service == service:
+            return access
+    raise KeyError(f"no access declared for service {service!r}")
+
+
+def served_by(service: str) -> list[str]:
+    """The command subjects `service` serves."""
+    return [c.subject for c in COMMANDS if c.service == service]

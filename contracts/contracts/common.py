@@ -2,20 +2,115 @@
 
 from __future__ import annotations
 
+import math
+import re
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+# --- what every text and integer of a message must be -------------------------
+#
+# Postgres cannot store NUL in `text` or `jsonb`, UTF-8 cannot encode a lone
+# surrogate, and a `bigint` column holds signed 64 bits: a value outside these is
+# refused at the door (`invalid_request` naming the field), never half-written.
+# Every str and int field of a command or an event payload is one of the types
+# below; `contracts/tests/test_field_types.py` walks the models to keep it so.
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+# No single text may be longer than a whole request may be (servicekit's endpoint
+# refuses requests over 1 MiB before parsing); fields with a tighter meaning say so.
+MAX_TEXT_CHARS = 1_000_000
+# How deep free JSON (`payload`, a tool's input) may nest.
+MAX_JSON_DEPTH = 64
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def storable_text(value: str) -> str:
+    """`value` unchanged, or a refusal when Postgres or UTF-8 could not keep it."""
+    if "\x00" in value:
+        raise ValueError("must not contain the NUL character (\\u0000)")
+    if _SURROGATE.search(value):
+        raise ValueError("must not contain a lone UTF-16 surrogate")
+    return value
+
+
+def within_int64(value: int) -> int:
+    """`value` unchanged, or a refusal when a signed 64-bit integer cannot hold it."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"must be between {INT64_MIN} and {INT64_MAX} (a signed 64-bit integer)")
+    return value
+
+
+def _check_json(value: Any, path: str, depth: int) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{path or 'value'}: nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            storable_text(value)
+        except ValueError as exc:
+            raise ValueError(f"{path or 'value'}: {exc}") from None
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, int):
+        try:
+            within_int64(value)
+        except ValueError as exc:
+            raise ValueError(f"{path or 'value'}: {exc}") from None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path or 'value'}: must be a finite number")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: keys must be strings")
+            try:
+                storable_text(key)
+            except ValueError as exc:
+                raise ValueError(f"{path or 'key'} (a key): {exc}") from None
+            _check_json(item, where, depth + 1)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_json(item, f"{path}[{i}]", depth + 1)
+
+
+def storable_json(value: dict[str, Any]) -> dict[str, Any]:
+    """`value` unchanged, or a refusal naming the first text, number or depth that
+    `jsonb` could not keep."""
+    _check_json(value, "", 1)
+    return value
+
+
+# The validators, kept as objects so the field-type test can find them on a field.
+TEXT_CHECK = AfterValidator(storable_text)
+INT64_CHECK = AfterValidator(within_int64)
+JSON_CHECK = AfterValidator(storable_json)
+
+# Free text of any length a request may carry.
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS), TEXT_CHECK]
+# A short name or key (idempotency keys, tool-use ids, client refs).
+Key = Annotated[str, StringConstraints(min_length=1, max_length=200), TEXT_CHECK]
+# An integer a `bigint` column can hold.
+Int64 = Annotated[int, INT64_CHECK]
+# Free JSON (an event's `payload`, a tool's `input`): every text and number storable.
+JsonObject = Annotated[dict[str, Any], JSON_CHECK]
 
 # A project id is a subject token (`<type>.<project>.<session>`), so it may not
 # contain dots, wildcards or whitespace.
 ProjectId = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$", strip_whitespace=False)
+    str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$", strip_whitespace=False), TEXT_CHECK
 ]
-AgentSlug = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]
+AgentSlug = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$"), TEXT_CHECK]
 # `user:<id>` for a person, `agent:<slug>` for an agent, `system:<component>` for
 # the platform itself (e.g. `system:handoff-lifecycle`).
-Actor = Annotated[str, StringConstraints(pattern=r"^(user|agent|system):[A-Za-z0-9_.@-]{1,128}$")]
+Actor = Annotated[
+    str,
+    StringConstraints(pattern=r"^(user|agent|system):[A-Za-z0-9_.@-]{1,128}$"),
+    TEXT_CHECK,
+]
 
 
 class Message(BaseModel):

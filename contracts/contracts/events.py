@@ -12,11 +12,25 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
-from pydantic import AfterValidator, Field, StrictInt, StringConstraints
+from pydantic import AfterValidator, Field, StringConstraints
 
-from contracts.common import Actor, AgentSlug, Message, ProjectId
+from contracts.common import (
+    MAX_TEXT_CHARS,
+    TEXT_CHECK,
+    Actor,
+    AgentSlug,
+    Int64,
+    Key,
+    Message,
+    ProjectId,
+    Text,
+)
 
-NonBlank = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
+NonBlank = Annotated[
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_TEXT_CHARS),
+    TEXT_CHECK,
+]
 
 
 def _not_blank(text: str) -> str:
@@ -27,7 +41,10 @@ def _not_blank(text: str) -> str:
 
 # A person's words are kept as typed (no stripping), but cannot be only whitespace.
 Utterance = Annotated[
-    str, StringConstraints(min_length=1, max_length=20_000), AfterValidator(_not_blank)
+    str,
+    StringConstraints(min_length=1, max_length=20_000),
+    TEXT_CHECK,
+    AfterValidator(_not_blank),
 ]
 
 
@@ -90,7 +107,7 @@ class ChatMessage(Message):
     """What a person said in the session."""
 
     text: Utterance
-    client_msg_id: str | None = None
+    client_msg_id: Key | None = None
 
 
 class AgentActivated(Message):
@@ -104,20 +121,20 @@ class AgentActivated(Message):
 class TurnUsage(Message):
     """What one model turn consumed, as metering billed it."""
 
-    model: str
-    input_tokens: int = Field(ge=0)
-    output_tokens: int = Field(ge=0)
-    cache_creation_input_tokens: int = Field(default=0, ge=0)
-    cache_read_input_tokens: int = Field(default=0, ge=0)
-    cost_micros: int = Field(ge=0)
+    model: Key
+    input_tokens: Int64 = Field(ge=0)
+    output_tokens: Int64 = Field(ge=0)
+    cache_creation_input_tokens: Int64 = Field(default=0, ge=0)
+    cache_read_input_tokens: Int64 = Field(default=0, ge=0)
+    cost_micros: Int64 = Field(ge=0)
 
 
 class AgentResponse(Message):
     """An agent's whole reply to a message (its `causation_id` is that message)."""
 
     agent: AgentSlug
-    text: str
-    turn_id: str | None = None
+    text: Text
+    turn_id: Key | None = None
     usage: TurnUsage | None = None
     # The person pressed Stop: `text` is the part written before the stream was cut.
     stopped: bool = False
@@ -127,7 +144,7 @@ class AgentError(Message):
     """A turn that could not be answered; `reason` is written for the person."""
 
     agent: AgentSlug
-    code: str
+    code: Key
     reason: NonBlank
 
 
@@ -151,7 +168,7 @@ class ProductBrief(Message):
 
     title: NonBlank
     summary: NonBlank
-    details: str = ""
+    details: Text = ""
     business_rule_ids: list[UUID] = Field(default_factory=list)
 
 
@@ -172,7 +189,7 @@ class HandoffTransition(Message):
 
     handoff_id: UUID
     to_agent: AgentSlug
-    reason: str | None = None
+    reason: Text | None = None
 
 
 class HandoffSuperseded(Message):
@@ -194,9 +211,9 @@ class HypothesisProposed(Message):
     analysis_id: UUID
     target_agent: AgentSlug
     statement: NonBlank
-    confidence: StrictInt = Field(ge=0, le=100)
+    confidence: Int64 = Field(ge=0, le=100, strict=True)
     evidence_event_ids: list[UUID] = Field(min_length=1)
-    termination_analysis: str | None = None
+    termination_analysis: Text | None = None
 
 
 class HypothesisDecided(Message):
@@ -204,7 +221,7 @@ class HypothesisDecided(Message):
 
     hypothesis_id: UUID
     target_agent: AgentSlug
-    statement: str | None = None
+    statement: Text | None = None
 
 
 class AnalysisCompleted(Message):
@@ -216,7 +233,7 @@ class AnalysisCompleted(Message):
     hypothesis_ids: list[UUID]
     triggered_by: Literal["auto", "manual"] = "auto"
     # The classified termination reason the analysis was given as a fact (decision 6).
-    termination_class: str | None = None
+    termination_class: Key | None = None
     # The analysis this one replaced on a manual reanalysis (kept, no longer current).
     superseded_analysis_id: UUID | None = None
 
@@ -228,8 +245,8 @@ class AnalysisFailed(Message):
     reason: NonBlank
     triggered_by: Literal["auto", "manual"] = "auto"
     agent_slug: AgentSlug | None = None
-    iterations: int = Field(default=0, ge=0)
-    cost_micros: int = Field(default=0, ge=0)
+    iterations: Int64 = Field(default=0, ge=0)
+    cost_micros: Int64 = Field(default=0, ge=0)
 
 
 PAYLOADS: dict[EventType, type[Message]] = {
@@ -263,7 +280,7 @@ class Event(Message):
     id: UUID
     session_id: UUID
     project_id: ProjectId
-    seq: int = Field(ge=1)
+    seq: Int64 = Field(ge=1)
     type: EventType
     actor: Actor
     payload: dict[str, Any]

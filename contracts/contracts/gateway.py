@@ -13,11 +13,11 @@ from uuid import UUID
 
 from pydantic import Field, StringConstraints
 
-from contracts.common import AgentSlug, Message
+from contracts.common import TEXT_CHECK, AgentSlug, Int64, Message
 from contracts.events import Event, Utterance
 from contracts.metering import TurnId
 
-Ref = Annotated[str, StringConstraints(min_length=1, max_length=100)] | None
+Ref = Annotated[str, StringConstraints(min_length=1, max_length=100), TEXT_CHECK] | None
 
 
 class Join(Message):
@@ -25,7 +25,7 @@ class Join(Message):
 
     type: Literal["join"]
     session_id: UUID
-    after_seq: int = Field(default=0, ge=0)
+    after_seq: Int64 = Field(default=0, ge=0)
     ref: Ref = None
 
 
@@ -34,7 +34,7 @@ class Chat(Message):
 
     type: Literal["chat"]
     text: Utterance
-    client_msg_id: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    client_msg_id: Annotated[str, StringConstraints(min_length=1, max_length=100), TEXT_CHECK]
     ref: Ref = None
 
 

@@ -8,7 +8,7 @@ from uuid import UUID
 
 from pydantic import Field, StringConstraints
 
-from contracts.common import Actor, AgentSlug, Message, ProjectId
+from contracts.common import TEXT_CHECK, Actor, AgentSlug, Message, ProjectId
 
 HandoffStatus = Literal["offered", "accepted", "completed", "rejected", "superseded"]
 OfferOutcome = Literal["created", "ja_oferecido", "substituiu_oferta"]
@@ -97,7 +97,7 @@ class HandoffDecision(Message):
     handoff_id: UUID
     session_id: UUID
     actor: Actor = "system:handoff-lifecycle"
-    reason: Annotated[str, StringConstraints(max_length=2000)] | None = None
+    reason: Annotated[str, StringConstraints(max_length=2000), TEXT_CHECK] | None = None
 
 
 class HandoffReply(Message):

@@ -8,19 +8,20 @@ passes them through without translation.
 from __future__ import annotations
 
 from datetime import date, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from uuid import UUID
 
 from pydantic import Field, StringConstraints, model_validator
 
-from contracts.common import AgentSlug, Message, ProjectId
+from contracts.common import TEXT_CHECK, AgentSlug, Int64, JsonObject, Message, ProjectId, Text
 
 # Ids chosen by the caller (the harness): a run groups the turns one budget covers,
 # a turn is one provider call and the key its usage row is idempotent on.
-RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
-TurnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
-ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
-ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$"), TEXT_CHECK]
+TurnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$"), TEXT_CHECK]
+ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$"), TEXT_CHECK]
+ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$"), TEXT_CHECK]
+ToolUseId = Annotated[str, StringConstraints(min_length=1, max_length=128), TEXT_CHECK]
 # Deltas may only go where a client of the bus listens for them: a session's
 # `agent.delta.<project>.<session>` (captured by the DELTAS stream) or a private
 # inbox. Anything else would let a caller publish onto command or event subjects.
@@ -29,6 +30,7 @@ DeltaSubject = Annotated[
     StringConstraints(
         pattern=r"^(agent\.delta\.[A-Za-z0-9_-]{1,64}\.[A-Za-z0-9_-]{1,64}|_INBOX\.[A-Za-z0-9_.-]{1,200})$"
     ),
+    TEXT_CHECK,
 ]
 
 MAX_OUTPUT_TOKENS = 64_000
@@ -40,24 +42,24 @@ class TextBlock(Message):
     """Text the model wrote (or a person's words in a user message)."""
 
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class ToolUseBlock(Message):
     """The model asks for a tool to be run with `input`."""
 
     type: Literal["tool_use"] = "tool_use"
-    id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    id: ToolUseId
     name: ToolName
-    input: dict[str, Any]
+    input: JsonObject
 
 
 class ToolResultBlock(Message):
     """What a tool returned; `is_error` marks a message the model should correct itself from."""
 
     type: Literal["tool_result"] = "tool_result"
-    tool_use_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
-    content: str
+    tool_use_id: ToolUseId
+    content: Text
     is_error: bool = False
 
 
@@ -69,15 +71,15 @@ class ChatMessage(Message):
     """One message of the conversation sent to the model."""
 
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: Text | list[ContentBlock]
 
 
 class ToolSpec(Message):
     """A tool the model may call: its name, what it does and its input's JSON schema."""
 
     name: ToolName
-    description: str = ""
-    input_schema: dict[str, Any]
+    description: Text = ""
+    input_schema: JsonObject
 
 
 class LlmTurn(Message):
@@ -88,12 +90,12 @@ class LlmTurn(Message):
     agent_slug: AgentSlug
     project_id: ProjectId
     session_id: UUID | None = None
-    system: str = ""
+    system: Text = ""
     messages: list[ChatMessage] = Field(min_length=1, max_length=2000)
     tools: list[ToolSpec] = Field(default_factory=list, max_length=64)
-    max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
+    max_tokens: Int64 = Field(ge=1, le=MAX_OUTPUT_TOKENS)
     # The run's whole budget in µUSD; the first turn of a run that names it sets it.
-    budget_micros: int | None = Field(default=None, ge=0)
+    budget_micros: Int64 | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _starts_with_user(self) -> LlmTurn:

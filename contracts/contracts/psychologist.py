@@ -6,14 +6,16 @@ from datetime import datetime
 from typing import Annotated, Literal
 from uuid import UUID
 
-from pydantic import Field, StrictInt, StringConstraints
+from pydantic import Field, StringConstraints
 
-from contracts.common import Actor, AgentSlug, Message, ProjectId
+from contracts.common import TEXT_CHECK, Actor, AgentSlug, Int64, Message, ProjectId
 
 HypothesisStatus = Literal["proposed", "accepted", "dismissed"]
 Tier = Literal["leve", "pesada"]
 TriggeredBy = Literal["auto", "manual"]
-Statement = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=4000)]
+Statement = Annotated[
+    str, StringConstraints(strip_whitespace=True, min_length=1, max_length=4000), TEXT_CHECK
+]
 
 # Bounds of one `emit_hypotheses` call: enough for a session's behaviour, small enough
 # that resolving the evidence is one `cmd.events.get` (≤ 1,000 ids).
@@ -26,7 +28,7 @@ class ProposedHypothesis(Message):
 
     target_agent: AgentSlug
     statement: Statement
-    confidence: StrictInt = Field(ge=0, le=100)
+    confidence: Int64 = Field(ge=0, le=100, strict=True)
     evidence_event_ids: list[UUID] = Field(min_length=1, max_length=MAX_EVIDENCE_PER_HYPOTHESIS)
     termination_analysis: Statement | None = None
 

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from uuid import UUID
 
 from pydantic import Field, StringConstraints
 
-from contracts.common import Actor, Message, ProjectId
+from contracts.common import TEXT_CHECK, Actor, Int64, JsonObject, Key, Message, ProjectId
 from contracts.events import Event
 
 # Size of one event payload, serialised. Larger artifacts belong in a blob store;
 # the log keeps what a person or a model reads.
 MAX_EVENT_PAYLOAD_BYTES = 256 * 1024
 
+EventTypeName = Annotated[str, StringConstraints(min_length=1, max_length=128), TEXT_CHECK]
 SessionStatus = Literal["open", "closed", "closed_abnormally"]
 
 
@@ -36,11 +37,11 @@ class AppendEvent(Message):
     """`cmd.events.append`: append one event to a session's log."""
 
     session_id: UUID
-    type: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    type: EventTypeName
     actor: Actor
-    payload: dict[str, Any]
+    payload: JsonObject
     causation_id: UUID | None = None
-    idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
+    idempotency_key: Key | None = None
 
 
 class AppendedReply(Message):
@@ -68,16 +69,16 @@ class ListEvents(Message):
     """`cmd.events.list`: a session's events after `after_seq`, in `seq` order."""
 
     session_id: UUID
-    after_seq: int = Field(default=0, ge=0)
-    limit: int = Field(default=500, ge=1, le=1000)
+    after_seq: Int64 = Field(default=0, ge=0)
+    limit: Int64 = Field(default=500, ge=1, le=1000)
 
 
 class QueryEvents(Message):
     """`cmd.events.query`: a project's events of the given types, oldest first."""
 
     project_id: ProjectId
-    types: list[str] = Field(min_length=1, max_length=32)
-    limit: int = Field(default=1000, ge=1, le=5000)
+    types: list[EventTypeName] = Field(min_length=1, max_length=32)
+    limit: Int64 = Field(default=1000, ge=1, le=5000)
 
 
 class SessionRef(Message):
@@ -97,7 +98,9 @@ class TerminateSession(Message):
     """`cmd.sessions.terminate`: end a session abnormally, keeping the reason."""
 
     session_id: UUID
-    reason: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=4000)]
+    reason: Annotated[
+        str, StringConstraints(strip_whitespace=True, min_length=1, max_length=4000), TEXT_CHECK
+    ]
 
 
 class SessionClosedReply(Message):
@@ -119,7 +122,7 @@ class ListSessions(Message):
     """`cmd.sessions.list`: a project's sessions, newest first."""
 
     project_id: ProjectId
-    limit: int = Field(default=200, ge=1, le=1000)
+    limit: Int64 = Field(default=200, ge=1, le=1000)
 
 
 class SessionView(Message):

@@ -1,8 +1,16 @@
-"""NATS and JetStream: connection and idempotent stream provisioning."""
+"""NATS and JetStream: connecting with a service's own identity, and the streams.
+
+Streams have one owner: `provision_streams` runs as the `provision` user (`agentbus
+provision`, a Job in k8s); a service only checks at start that they exist as declared
+(`check_streams`) and never creates one, so a deleted EVENTS is never re-created empty
+behind the operator's back.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import nats
 from nats.aio.client import Client
@@ -12,12 +20,57 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from contracts.streams import StreamSpec
 from servicekit.logs import get_logger
+from servicekit.natsconf import read_secrets
+from servicekit.permissions import inbox_prefix
+from servicekit.settings import ServiceSettings
 
 log = get_logger(__name__)
 
 
-async def connect(url: str, name: str) -> Client:
-    """A client that reconnects for ever and logs every change of connection state."""
+@dataclass(frozen=True)
+class Credentials:
+    """A NATS user and its password."""
+
+    user: str
+    password: str
+
+
+def credentials_for(settings: ServiceSettings, service: str) -> Credentials | None:
+    """The identity `service` connects with: NATS_USER/NATS_PASSWORD, else its own entry
+    in the secrets file; None leaves it to `NATS_URL` (credentials in it, or anonymous)."""
+    if settings.nats_user and settings.nats_password:
+        return Credentials(settings.nats_user, settings.nats_password)
+    if settings.nats_secrets_file:
+        password = read_secrets(Path(settings.nats_secrets_file)).get(service)
+        if password:
+            return Credentials(service, password)
+    return None
+
+
+async def connect_service(settings: ServiceSettings, service: str) -> Client:
+    """`service`'s connection, with its own identity (`credentials_for`)."""
+    return await connect(
+        settings.nats_url, f"{service}:{settings.instance_id}", credentials_for(settings, service)
+    )
+
+
+def identity_options(credentials: Credentials | None) -> dict[str, str]:
+    """nats-py's connect options for `credentials` (none: the URL's, or anonymous)."""
+    if credentials is None:
+        return {}
+    return {
+        "user": credentials.user,
+        "password": credentials.password,
+        "inbox_prefix": inbox_prefix(credentials.user),
+    }
+
+
+async def connect(url: str, name: str, credentials: Credentials | None = None) -> Client:
+    """A client that reconnects for ever and logs every change of connection state.
+
+    With `credentials`, replies arrive under the user's own inbox prefix, the only
+    inbox its permissions let it read.
+    """
 
     async def on_disconnect() -> None:
         log.warning("nats_disconnected", client=name)
@@ -31,6 +84,7 @@ async def connect(url: str, name: str) -> Client:
     return await nats.connect(
         url,
         name=name,
+        **identity_options(credentials),
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         disconnected_cb=on_disconnect,
@@ -69,3 +123,29 @@ async def provision_streams(
             except BadRequestError:
                 pass  # another replica created it first: fall through to update
         await js.update_stream(config)
+
+
+def _mismatches(spec: StreamSpec, found: StreamConfig, replicas: int) -> list[str]:
+    want = stream_config(spec, replicas)
+    problems = []
+    for name in ("storage", "max_age", "duplicate_window", "max_msg_size", "num_replicas"):
+        if getattr(found, name) != getattr(want, name):
+            problems.append(f"{name} is {getattr(found, name)}, expected {getattr(want, name)}")
+    if set(found.subjects or []) != set(want.subjects or []):
+        problems.append("subjects differ from the contracts")
+    return problems
+
+
+async def check_streams(
+    js: JetStreamContext, specs: Iterable[StreamSpec], replicas: int = 1
+) -> list[str]:
+    """What is wrong with the streams (missing, or configured otherwise than declared)."""
+    problems: list[str] = []
+    for spec in specs:
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            problems.append(f"{spec.name}: missing")
+            continue
+        problems += [f"{spec.name}: {p}" for p in _mismatches(spec, info.config, replicas)]
+    return problems

@@ -5,6 +5,15 @@ agentbus down                     stop them
 agentbus call SUBJECT [JSON]      send a command, print the reply
 agentbus services                 list the services answering on the bus
 agentbus token PROJECT [--user U] a signed token (and link) for the web gateway
+agentbus creds USER               how the NATS CLI connects as USER (ops, provision, …)
+agentbus provision                create or update the streams (the `provision` user)
+agentbus republish --session S | --since T
+                                  publish the log's events again from Postgres
+agentbus nats-config              the NATS users and permissions, passwords from env
+agentbus nats-passwords           new random passwords for them, as env lines (.env)
+
+On the embedded stack (`make up`) the credentials come from `.agentbus/`; with
+`NATS_URL` set, from `NATS_USER`/`NATS_PASSWORD` (none: anonymous).
 """
 
 from __future__ import annotations
@@ -14,11 +23,23 @@ import asyncio
 import json
 import os
 import sys
+from typing import Any
 
 import nats
+from nats.aio.client import Client
 
-from servicekit.devstack import read_stack, run_stack, stop_stack
+from servicekit.bus import Credentials, identity_options
+from servicekit.devstack import (
+    embedded_credentials,
+    env_credentials,
+    provision,
+    read_stack,
+    run_stack,
+    secrets_file,
+    stop_stack,
+)
 from servicekit.logs import configure_logging
+from servicekit.permissions import ADMIN, PROVISION, USERS, inbox_prefix
 
 
 def _nats_url() -> str:
@@ -31,8 +52,22 @@ def _nats_url() -> str:
     return str(stack["nats_url"])
 
 
+def _credentials(user: str) -> Credentials | None:
+    """`user` on the embedded stack; with NATS_URL set, whoever the environment names."""
+    if os.environ.get("NATS_URL"):
+        return env_credentials()
+    return embedded_credentials(user)
+
+
+async def _connect(user: str = ADMIN, **options: Any) -> Client:
+    """A short-lived connection as `user` (`admin`, the local operator, by default)."""
+    return await nats.connect(
+        _nats_url(), name=f"agentbus-cli:{user}", **identity_options(_credentials(user)), **options
+    )
+
+
 async def _call(subject: str, body: str, timeout: float) -> int:
-    nc = await nats.connect(_nats_url())
+    nc = await _connect()
     try:
         msg = await nc.request(subject, body.encode(), timeout=timeout)
     except nats.errors.NoRespondersError:
@@ -46,7 +81,7 @@ async def _call(subject: str, body: str, timeout: float) -> int:
 
 
 async def _services() -> int:
-    nc = await nats.connect(_nats_url())
+    nc = await _connect()
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish("$SRV.INFO", b"", reply=inbox)
@@ -67,7 +102,7 @@ async def _services() -> int:
 async def _ping(service: str, instance: str | None, timeout: float) -> int:
     """0 when `instance` (any instance if None) of `service` answers `$SRV.PING`."""
     try:
-        nc = await nats.connect(_nats_url(), connect_timeout=2, allow_reconnect=False)
+        nc = await _connect(connect_timeout=2, allow_reconnect=False)
     except Exception as exc:
         print(f"cannot reach NATS: {exc!r}", file=sys.stderr)
         return 1
@@ -86,6 +121,65 @@ async def _ping(service: str, instance: str | None, timeout: float) -> int:
         return 1
     finally:
         await nc.close()
+
+
+def _creds(user: str) -> int:
+    """Print what the NATS CLI needs to connect as `user` to the embedded stack."""
+    credentials = embedded_credentials(user)
+    if credentials is None:
+        print(
+            f"no password for {user!r} in {secrets_file()}: start the stack with `make up` "
+            "(elsewhere the passwords are in the environment or the k8s Secret)",
+            file=sys.stderr,
+        )
+        return 1
+    stack = read_stack()
+    url = str(stack["nats_url"]) if stack else "nats://127.0.0.1:<port of the running stack>"
+    flags = (
+        f"--server {url} --user {user} --password {credentials.password} "
+        f"--inbox-prefix {inbox_prefix(user)}"
+    )
+    print(f"# the NATS CLI as {user!r} (replies arrive under {inbox_prefix(user)}.>):")
+    print(f"nats {flags} <command>")
+    print("# or once, as a context:")
+    print(f"nats context save agentbus-{user} {flags} --select")
+    print("# or in the environment (agentbus commands read NATS_USER/NATS_PASSWORD):")
+    print(f"export NATS_URL={url} NATS_USER={user} NATS_PASSWORD={credentials.password}")
+    return 0
+
+
+async def _provision() -> int:
+    from servicekit.settings import ServiceSettings
+
+    await provision(_nats_url(), _credentials(PROVISION), ServiceSettings().stream_replicas)
+    print("streams provisioned")
+    return 0
+
+
+def _database_url() -> str:
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        return url
+    stack = read_stack()
+    if stack is None:
+        raise SystemExit("no DATABASE_URL set and no running stack: start one with `make up`")
+    return str(stack["database_url"])
+
+
+async def _republish(session: str | None, since: str | None) -> int:
+    from servicekit.republish import republish
+
+    # As the log itself: `session_events` is the one user that publishes events.
+    nc = await _connect("session_events")
+    try:
+        sent = await republish(nc.jetstream(), _database_url(), session=session, since=since)
+    finally:
+        await nc.close()
+    print(
+        f"republished {sent.published} events: {sent.stored} stored, "
+        f"{sent.published - sent.stored} already in the stream (deduplicated)"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     token = sub.add_parser("token", help="mint a web gateway token for one project")
     token.add_argument("project")
     token.add_argument("--user", default="dev")
+    creds = sub.add_parser("creds", help="how the NATS CLI connects as a user")
+    creds.add_argument("user", choices=USERS)
+    sub.add_parser("provision", help="create or update the streams (the provision user)")
+    again = sub.add_parser("republish", help="publish the log's events again from Postgres")
+    which = again.add_mutually_exclusive_group(required=True)
+    which.add_argument("--session", help="one session's events (its id)")
+    which.add_argument("--since", help="every event created since (ISO 8601 time)")
+    config = sub.add_parser("nats-config", help="the NATS accounts, users and permissions")
+    config.add_argument(
+        "--with-admin", action="store_true", help="include the unrestricted `admin` user"
+    )
+    config.add_argument(
+        "--write",
+        action="store_true",
+        help="write it into deploy/nats/auth.conf and deploy/k8s/nats.yaml (from the repo root)",
+    )
+    sub.add_parser(
+        "nats-passwords", help="new random NATS passwords as NAME=value lines (for .env)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "up":
@@ -130,6 +243,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "ping":
         return asyncio.run(_ping(args.service, args.instance, args.timeout))
+    if args.command == "creds":
+        return _creds(args.user)
+    if args.command == "provision":
+        return asyncio.run(_provision())
+    if args.command == "republish":
+        return asyncio.run(_republish(args.session, args.since))
+    if args.command == "nats-passwords":
+        import secrets
+
+        from servicekit.natsconf import password_variable
+
+        for user in USERS:
+            if user != ADMIN:  # the deployed configs have no unrestricted user
+                print(f"{password_variable(user)}={secrets.token_urlsafe(24)}")
+        return 0
+    if args.command == "nats-config":
+        from pathlib import Path
+
+        from servicekit.natsconf import deployed_auth, write_deployed_auth
+
+        if args.write:
+            for path in write_deployed_auth(Path.cwd()):
+                print(f"wrote {path}")
+            return 0
+        print(deployed_auth(args.with_admin), end="")
+        return 0
     return asyncio.run(_services())
 
 

@@ -9,13 +9,18 @@ data under the state folder given, so `make up` finds its sessions again.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from servicekit.natsconf import render
 
 NATS_START_TIMEOUT = 20.0
 
@@ -50,8 +55,14 @@ class EmbeddedNats:
                 self.process.wait()
 
 
-def start_nats(state_dir: Path, max_payload_mb: int = 8) -> EmbeddedNats:
-    """Start nats-server with JetStream on a free loopback port; return once it accepts clients."""
+def start_nats(
+    state_dir: Path, max_payload_mb: int = 8, auth: Mapping[str, Any] | None = None
+) -> EmbeddedNats:
+    """Start nats-server with JetStream on a free loopback port; return once it accepts clients.
+
+    `auth` is the accounts and users block (`servicekit.natsconf.accounts_block`); the
+    config holding it is written readable by its owner only.
+    """
     state_dir.mkdir(parents=True, exist_ok=True)
     store_dir = state_dir / "nats"
     ports_dir = state_dir / "nats-ports"
@@ -59,12 +70,16 @@ def start_nats(state_dir: Path, max_payload_mb: int = 8) -> EmbeddedNats:
     for stale in ports_dir.glob("*.ports"):
         stale.unlink()
     config = state_dir / "nats.conf"
-    config.write_text(
-        "listen: 127.0.0.1:-1\n"
-        f"max_payload: {max_payload_mb}MB\n"
-        f'ports_file_dir: "{ports_dir}"\n'
-        f'jetstream {{ store_dir: "{store_dir}" }}\n'
-    )
+    settings: dict[str, Any] = {
+        "listen": "127.0.0.1:-1",
+        "max_payload": max_payload_mb * 1024 * 1024,
+        "ports_file_dir": str(ports_dir),
+        "jetstream": {"store_dir": str(store_dir)},
+        **(auth or {}),
+    }
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(render(settings))
     with (state_dir / "nats.log").open("ab") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT

@@ -13,9 +13,13 @@ were written — across retries and across relay replicas. A key whose oldest ro
 waiting for a retry holds its later rows back, and a key another relay is working
 on is skipped (an advisory lock per key). Rows without a key have no order.
 
-Failures: a transient one (bus or log unavailable) is retried with backoff; one
-that can never succeed (the log refused the event) is moved to `dead_letters` and
-logged, so it neither blocks its key for ever nor disappears.
+Failures: a transient one (timeout, no responders, the log `unavailable`) is retried
+with backoff for as long as it takes; one that can never succeed (the log answered a
+coded refusal: `invalid_request`, `invalid_payload`, `malformed_json`…) is moved to
+`dead_letters`, logged as `outbox_dead_letter` and counted (`DEAD_LETTERS`), so it
+neither blocks its key for ever nor disappears. An `internal` answer is a bug of the
+log that a retry may or may not cure: retried `MAX_INTERNAL_ATTEMPTS` times, then
+dead-lettered like a refusal, so one poison row cannot stall its session for good.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,6 +39,7 @@ from nats.js import JetStreamContext
 from contracts import subjects
 from contracts.common import ErrorCode
 from contracts.session_events import AppendEvent
+from domain import log_rules
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
 from servicekit.faults import crash_point
@@ -47,6 +53,10 @@ SEND_TIMEOUT_SECONDS = 5.0
 MAX_BACKOFF_SECONDS = 60.0
 # Error codes of the log that a later attempt may not get.
 TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value})
+# How often a row the log answers `internal` is tried before it is dead-lettered.
+MAX_INTERNAL_ATTEMPTS = 8
+# Rows dead-lettered by this process, by subject (read by tests and, later, metrics).
+DEAD_LETTERS: Counter[str] = Counter()
 
 
 def queue_statement(first: int, returning: str = "") -> str:
@@ -101,10 +111,25 @@ async def enqueue(
     )
 
 
+def check_appendable(event: AppendEvent) -> None:
+    """Refuse, before anything is committed, an event the log would refuse for its shape:
+    an unknown or reserved type, a payload its contract model rejects, an oversized one.
+
+    A service's state change and its event commit together or not at all; an event the
+    log could never take would leave the change announced to nobody (issue 11), so the
+    command is refused with the log's own code instead (`invalid_payload`, …).
+    """
+    event_type = log_rules.parse_event_type(event.type)
+    parsed = log_rules.validate_payload(event_type, event.payload)
+    log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
+
+
 def append_args(event: AppendEvent) -> list[Any]:
-    """`queue_args` for an event to append to the session log (see `enqueue_append`)."""
+    """`queue_args` for an event to append to the session log (see `enqueue_append`);
+    raises `DomainError` for an event the log would refuse (`check_appendable`)."""
     if event.idempotency_key is None:
         raise ValueError("an event appended through the outbox needs an idempotency_key")
+    check_appendable(event)
     return queue_args(
         subjects.EVENTS_APPEND,
         event.idempotency_key,
@@ -217,8 +242,10 @@ class LogAppender:
         if not reply.data.startswith(b'{"error":'):
             return DELIVERED
         error = json.loads(reply.data)["error"]
+        code = error["code"]
+        gave_up = code == ErrorCode.INTERNAL and row.attempts + 1 >= MAX_INTERNAL_ATTEMPTS
         return Delivery(
-            f"{error['code']}: {error['message']}", permanent=error["code"] not in TRANSIENT_CODES
+            f"{code}: {error['message']}", permanent=code not in TRANSIENT_CODES or gave_up
         )
 
 
@@ -263,6 +290,7 @@ class OutboxRelay:
         self._poll = poll_seconds
         self._wake = asyncio.Event()
         self.delivered = 0
+        self.dead_lettered = 0
 
     async def run(self) -> None:
         """Deliver until cancelled; survives database and NATS outages."""
@@ -336,7 +364,16 @@ class OutboxRelay:
             reason,
             row.body,
         )
-        log.error("outbox_dead_letter", subject=row.subject, msg_id=row.msg_id, reason=reason)
+        self.dead_lettered += 1
+        DEAD_LETTERS[row.subject] += 1
+        log.error(
+            "outbox_dead_letter",
+            subject=row.subject,
+            msg_id=row.msg_id,
+            ordering_key=row.ordering_key,
+            attempts=row.attempts + 1,
+            reason=reason,
+        )
 
     async def _listen(self) -> None:
         """Hold a LISTEN connection, reconnecting after failures; only ever a hint."""

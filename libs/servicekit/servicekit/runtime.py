@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from contracts import streams
-from servicekit.bus import connect, provision_streams
+from servicekit.bus import check_streams, connect_service
 from servicekit.cancellation import stop
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.logs import configure_logging, get_logger
@@ -24,6 +25,31 @@ from servicekit.settings import ServiceSettings
 from servicekit.telemetry import configure_tracing
 
 log = get_logger(__name__)
+
+
+# EX_CONFIG (sysexits.h): the service cannot start until the operator provisions.
+EXIT_NOT_PROVISIONED = 78
+
+
+class StreamsNotReady(RuntimeError):
+    """The streams are missing or not as declared: `agentbus provision` has not run."""
+
+
+async def require_streams(js: JetStreamContext, service: str, replicas: int) -> None:
+    """Refuse to start, with one clear log line, unless the streams exist as declared.
+
+    A service never creates a stream: re-creating a deleted EVENTS empty would hide the
+    loss (issue 11). Provisioning is the `provision` user's job.
+    """
+    problems = await check_streams(js, streams.ALL, replicas)
+    if problems:
+        log.error(
+            "streams_not_provisioned",
+            service=service,
+            problems=problems,
+            fix="run `agentbus provision` (make up does), then start the service again",
+        )
+        raise StreamsNotReady("; ".join(problems))
 
 
 @dataclass
@@ -57,11 +83,16 @@ class Runtime:
 async def open_runtime(
     name: str, schema: str, migrations: list[str], settings: ServiceSettings | None = None
 ) -> AsyncIterator[Runtime]:
-    """Connect to NATS and Postgres, apply migrations and provision streams; undo on exit."""
+    """Connect to NATS (as `name`'s user) and Postgres, check the streams and apply
+    migrations; undo on exit."""
     settings = settings or ServiceSettings()
-    nc = await connect(settings.nats_url, f"{name}:{settings.instance_id}")
+    nc = await connect_service(settings, name)
     js = nc.jetstream()
-    await provision_streams(js, streams.ALL, settings.stream_replicas)
+    try:
+        await require_streams(js, name, settings.stream_replicas)
+    except BaseException:
+        await nc.close()
+        raise
     pool = await create_pool(
         settings.database_url, schema, settings.db_pool_min, settings.db_pool_max
     )
@@ -88,7 +119,10 @@ def run_service(name: str, main: Awaitable[None] | Coroutine[Any, Any, None]) ->
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            try:
+                await task
+            except StreamsNotReady:
+                sys.exit(EXIT_NOT_PROVISIONED)  # already said in one log line
         log.info("service_stopped", service=name)
 
     # uvloop takes about a third off a NATS hop (DESIGN.md, latency budget).

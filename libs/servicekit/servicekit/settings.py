@@ -22,6 +22,13 @@ class ServiceSettings(BaseSettings):
     database_url: str = Field(
         default="postgresql://postgres@127.0.0.1:5432/postgres", validation_alias="DATABASE_URL"
     )
+    # This instance's NATS identity (each service has its own user). Unset: the
+    # credentials in `NATS_URL`, if any, else anonymous (a plain NATS that allows it).
+    nats_user: str | None = Field(default=None, validation_alias="NATS_USER")
+    nats_password: str | None = Field(default=None, validation_alias="NATS_PASSWORD")
+    # A JSON file of every user's password (the embedded test servers' secrets): with no
+    # NATS_USER, a service connects as the user named after it when the file has it.
+    nats_secrets_file: str | None = None
     instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     log_level: str = "INFO"
     log_format: str = "auto"  # json | console | auto (console on a terminal)

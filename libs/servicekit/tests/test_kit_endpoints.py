@@ -15,11 +15,13 @@ import pytest_asyncio
 from nats.aio.client import Client
 from nats.errors import MaxPayloadError
 from nats.micro.service import Service
+from pydantic import Field
 
-from contracts.common import ErrorCode, Message
+from contracts.common import ErrorCode, Int64, JsonObject, Message, Text
 from domain.errors import DomainError
 from servicekit.client import CommandFailed, call, parse_reply
 from servicekit.endpoint import MAX_REQUEST_BYTES, Endpoints
+from servicekit.endpoint import Command as EndpointCommand
 from servicekit.testing import wait_for
 
 
@@ -294,3 +296,67 @@ async def test_a_request_without_a_reply_subject_is_handled_without_harm(
     await wait_for(lambda: toy.handled == 1, what="the fire-and-forget request handled")
 
     assert await call(nc, toy.subject("add"), Add(a=1, b=2), Sum) == Sum(total=3)
+
+
+class Note(Message):
+    """A request with the storable types of `contracts.common`."""
+
+    text: Text
+    count: Int64 = 0
+    extra: JsonObject = Field(default_factory=dict)
+
+
+def _note_endpoints(handled: list[Note]) -> tuple[Endpoints, EndpointCommand]:
+    endpoints = Endpoints("notes", "1.0.0", "A toy service of storable types.")
+
+    @endpoints.command("cmd.notes.add", Note)
+    async def add(request: Note) -> Sum:
+        handled.append(request)
+        return Sum(total=request.count)
+
+    return endpoints, endpoints.commands[0]
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        (b'{"text": "a\\u0000b"}', "text", "NUL"),
+        (b'{"text": "ok", "count": 9223372036854775808}', "count", "64-bit"),
+        (b'{"text": "ok", "count": -9223372036854775809}', "count", "64-bit"),
+        (b'{"text": "ok", "extra": {"deep": ["x\\u0000"]}}', "extra", "deep[0]: must not contain"),
+        (b'{"text": "ok", "extra": {"n": 18446744073709551616}}', "extra", "n: must be between"),
+    ],
+    ids=["nul", "int64-over", "int64-under", "nul-in-free-json", "int64-in-free-json"],
+)
+async def test_values_the_store_cannot_keep_are_invalid_requests_naming_the_field(
+    data: bytes, field: str, words: str
+) -> None:
+    handled: list[Note] = []
+    endpoints, command = _note_endpoints(handled)
+
+    reply = json.loads(await endpoints.handle_raw(command, data))
+
+    assert reply["error"]["code"] == ErrorCode.INVALID_REQUEST
+    assert f"{field}:" in reply["error"]["message"]
+    assert words in reply["error"]["message"]
+    assert handled == []
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"text": "a\\ud800b"}',
+        b'{"text": "ok", "extra": ' + b'{"x": ' * 10_000 + b"1" + b"}" * 10_001,
+        b'{"text": "ok", "extra": {"l": ' + b"[" * 10_000 + b"]" * 10_000 + b"}}",
+        b'{"text": "ok", "count": ' + b"9" * 5000 + b"}",
+    ],
+    ids=["lone-surrogate", "10000-deep-objects", "10000-deep-arrays", "5000-digit-number"],
+)
+async def test_json_the_parser_cannot_take_is_malformed_json_not_a_crash(data: bytes) -> None:
+    handled: list[Note] = []
+    endpoints, command = _note_endpoints(handled)
+
+    reply = json.loads(await endpoints.handle_raw(command, data))
+
+    assert reply["error"]["code"] == ErrorCode.MALFORMED_JSON
+    assert handled == []

@@ -7,6 +7,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 import pytest
@@ -16,8 +17,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from contracts import subjects
-from contracts.session_events import AppendedReply, AppendEvent
+from contracts.common import ErrorCode
+from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES, AppendedReply, AppendEvent
+from domain.errors import DomainError
 from servicekit import outbox
+from servicekit.consumer import claim_once
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.endpoint import error_reply
 from servicekit.outbox import (
@@ -222,6 +226,47 @@ async def test_a_permanent_refusal_is_dead_lettered_and_its_session_goes_on(
     assert json.loads(dead["body"])["idempotency_key"] == "e-1"
 
 
+async def test_a_permanent_refusal_is_counted(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    fake_log.refuse["e-1"] = "invalid_request"
+    await enqueue_appends(pool, (uuid.uuid4(), "e-1"))
+    before = outbox.DEAD_LETTERS[subjects.EVENTS_APPEND]
+    relay = OutboxRelay(pool, LogAppender(nc))
+
+    await relay.drain_once()
+
+    assert relay.dead_lettered == 1
+    assert outbox.DEAD_LETTERS[subjects.EVENTS_APPEND] == before + 1
+
+
+async def test_an_internal_error_is_retried_a_bounded_number_of_times_then_dead_lettered(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    session = uuid.uuid4()
+    fake_log.refuse["e-1"] = "internal"
+    await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
+    relay = OutboxRelay(pool, LogAppender(nc))
+
+    await relay.drain_once()
+    assert await waiting(pool) == [("e-1", 1), ("e-2", 1)]  # retried, its session waits
+    assert fake_log.appended == []
+
+    # the last allowed attempt is due
+    await pool.execute(
+        "UPDATE outbox SET available_at = now(), attempts = CASE msg_id WHEN 'e-1' THEN $1"
+        " ELSE attempts END",
+        outbox.MAX_INTERNAL_ATTEMPTS - 1,
+    )
+    await relay.drain_once()
+
+    assert fake_log.appended == ["e-2"]
+    assert await waiting(pool) == []
+    [dead] = await pool.fetch("SELECT msg_id, deliveries, reason FROM dead_letters")
+    assert (dead["msg_id"], dead["deliveries"]) == ("e-1", outbox.MAX_INTERNAL_ATTEMPTS)
+    assert dead["reason"].startswith("internal:")
+
+
 async def test_an_event_for_the_log_needs_an_idempotency_key(pool: asyncpg.Pool) -> None:
     event = AppendEvent(
         session_id=uuid.uuid4(), type="chat.message", actor="system:kit-tests", payload={}
@@ -230,6 +275,47 @@ async def test_an_event_for_the_log_needs_an_idempotency_key(pool: asyncpg.Pool)
         with pytest.raises(ValueError, match="idempotency_key"):
             await enqueue_append(conn, event)
     assert await waiting(pool) == []
+
+
+@pytest.mark.parametrize(
+    ("type_", "payload", "code"),
+    [
+        ("chat.message", {"text": "a\x00b"}, ErrorCode.INVALID_PAYLOAD),
+        (
+            "handoff.rejected",
+            {"handoff_id": "not-a-uuid", "to_agent": "po"},
+            ErrorCode.INVALID_PAYLOAD,
+        ),
+        ("no.such_type", {}, ErrorCode.UNKNOWN_EVENT_TYPE),
+        (
+            "agent.response",
+            {"agent": "criativo", "text": "x" * (MAX_EVENT_PAYLOAD_BYTES + 1)},
+            ErrorCode.PAYLOAD_TOO_LARGE,
+        ),
+    ],
+    ids=["nul-in-text", "wrong-shape", "unknown-type", "oversized"],
+)
+async def test_an_event_the_log_would_refuse_is_refused_before_anything_commits(
+    pool: asyncpg.Pool, type_: str, payload: dict[str, Any], code: str
+) -> None:
+    # Built without validation: what a service's code could assemble by mistake.
+    event = AppendEvent.model_construct(
+        session_id=uuid.uuid4(),
+        type=type_,
+        actor="system:kit-tests",
+        payload=payload,
+        causation_id=None,
+        idempotency_key="k-1",
+    )
+
+    with pytest.raises(DomainError) as refusal:
+        async with pool.acquire() as conn, conn.transaction():
+            await claim_once(conn, "kit-tests", "the-effect")
+            await enqueue_append(conn, event)
+
+    assert refusal.value.code == code
+    assert await waiting(pool) == []
+    assert await pool.fetchval("SELECT count(*) FROM processed_messages") == 0  # rolled back
 
 
 async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_back(

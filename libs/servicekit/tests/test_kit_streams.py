@@ -1,4 +1,5 @@
-"""`bus.provision_streams` against a real JetStream: idempotent, concurrent, updating."""
+"""`bus.provision_streams` (what `agentbus provision` runs) against a real JetStream:
+idempotent, concurrent, updating."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ async def test_replicas_provisioning_a_changed_spec_at_once_all_succeed(
 
 
 async def test_the_agentbus_streams_have_their_declared_configuration(js: JetStreamContext) -> None:
-    # The `nats_url` fixture provisioned them, as every service does at start.
+    # The `nats_url` fixture provisioned them, as `agentbus provision` does.
     for spec in streams.ALL:
         expected = stream_config(spec)
         config = (await js.stream_info(spec.name)).config

@@ -22,7 +22,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from contracts import streams, subjects
+from contracts import subjects
 from contracts.session_events import HeartbeatReply, SessionRef
 from gateway.auth import load_secret
 from gateway.bus import Commands
@@ -30,10 +30,10 @@ from gateway.http import routes
 from gateway.presence import Presence
 from gateway.settings import GatewaySettings
 from gateway.ws import Hub, websocket_endpoint
-from servicekit.bus import connect, provision_streams
+from servicekit.bus import connect_service
 from servicekit.endpoint import Endpoints
 from servicekit.logs import get_logger
-from servicekit.runtime import run_service
+from servicekit.runtime import require_streams, run_service
 
 SERVICE = "gateway"
 VERSION = "0.1.0"
@@ -86,8 +86,8 @@ async def main(
 ) -> None:
     """Serve HTTP and WebSocket until stopped; `on_listening` gets the base URL once bound."""
     settings = settings or GatewaySettings()
-    nc = await connect(settings.nats_url, f"{SERVICE}:{settings.instance_id}")
-    await provision_streams(nc.jetstream(), streams.ALL, settings.stream_replicas)
+    nc = await connect_service(settings, SERVICE)
+    await require_streams(nc.jetstream(), SERVICE, settings.stream_replicas)
     commands = Commands(nc, settings.command_timeout_seconds)
 
     async def beat(session_id: uuid.UUID) -> HeartbeatReply:

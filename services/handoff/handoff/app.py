@@ -6,7 +6,7 @@ from contracts import streams
 from contracts.events import EventType
 from contracts.subjects import event_filter
 from handoff.directory import SessionDirectory
-from handoff.handlers import SERVICE, build_endpoints, session_closings
+from handoff.handlers import CONSUMER, SERVICE, build_endpoints, session_closings
 from handoff.repository import HandoffRepository
 from servicekit.consumer import ConsumerSpec, DurableConsumer
 from servicekit.outbox import LogAppender, OutboxRelay
@@ -15,7 +15,7 @@ from servicekit.settings import ServiceSettings
 
 SCHEMA = "handoff"
 CLOSINGS = ConsumerSpec(
-    durable="handoff-session-closings",
+    durable=CONSUMER,
     stream=streams.EVENTS.name,
     filter_subjects=[
         event_filter(EventType.SESSION_CLOSED),
@@ -35,7 +35,7 @@ async def main(settings: ServiceSettings | None = None) -> None:
             rt.pool, LogAppender(rt.nc), settings.outbox_batch, settings.outbox_poll_seconds
         )
         rt.background(relay.run(), "outbox-relay")
-        closings = DurableConsumer(rt.nc, rt.js, rt.pool, CLOSINGS, session_closings(repo))
+        closings = DurableConsumer(rt.nc, rt.js, rt.pool, CLOSINGS, session_closings(repo, rt.nc))
         rt.background(closings.run(), "session-closings")
         try:
             await wait_until_stopped(rt)

@@ -3,10 +3,11 @@ one lifecycle use case in one transaction."""
 
 from __future__ import annotations
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from contracts.events import Event
+from contracts.events import Event, EventType
 from contracts.handoff import (
     AcceptReply,
     ActivateAgent,
@@ -28,6 +29,7 @@ from handoff.directory import SessionDirectory
 from handoff.repository import HandoffRepository
 from servicekit.consumer import Handler, Permanent
 from servicekit.endpoint import Endpoints
+from servicekit.provenance import confirm
 
 SERVICE = "handoff"
 VERSION = "0.1.0"
@@ -92,14 +94,25 @@ def build_endpoints(repo: HandoffRepository, sessions: SessionDirectory) -> Endp
     return api
 
 
-def session_closings(repo: HandoffRepository) -> Handler:
-    """The consumer of `session.closed*`: activity in a closed session ends."""
+CLOSINGS = frozenset({EventType.SESSION_CLOSED, EventType.SESSION_CLOSED_ABNORMALLY})
+CONSUMER = "handoff-session-closings"
+
+
+def session_closings(repo: HandoffRepository, nc: Client) -> Handler:
+    """The consumer of `session.closed*`: activity in a closed session ends.
+
+    Only a closing the log confirms ends anything: a forged one on the bus is acked and
+    ignored (`servicekit.provenance`), as is a real event of another type replayed on a
+    closing subject.
+    """
 
     async def on_closed(msg: Msg) -> None:
         try:
             event = Event.model_validate_json(msg.data)
         except ValueError as exc:
             raise Permanent(f"not an event: {exc}") from None
+        if event.type not in CLOSINGS or await confirm(nc, event, consumer=CONSUMER) is None:
+            return
         async with repo.transaction() as tx:
             await tx.lock_session(event.session_id)
             await tx.end_session(event.session_id)

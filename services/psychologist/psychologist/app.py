@@ -9,7 +9,7 @@ from contracts.events import EventType
 from contracts.subjects import event_filter
 from harness import MeteringClient
 from psychologist.analysis import Analyst
-from psychologist.handlers import SERVICE, build_endpoints, session_closings
+from psychologist.handlers import CONSUMER, SERVICE, build_endpoints, session_closings
 from psychologist.repository import PsychologistRepository
 from psychologist.sessionlog import SessionLog
 from servicekit.consumer import ConsumerSpec, DurableConsumer
@@ -35,7 +35,7 @@ class PsychologistSettings(ServiceSettings):
 
 def closings_spec(settings: PsychologistSettings) -> ConsumerSpec:
     return ConsumerSpec(
-        durable="psychologist-session-closings",
+        durable=CONSUMER,
         stream=streams.EVENTS.name,
         filter_subjects=[
             event_filter(EventType.SESSION_CLOSED),
@@ -63,7 +63,7 @@ async def main(settings: PsychologistSettings | None = None) -> None:
         spec = closings_spec(settings)
         # Created once here, so the workers below only bind to it.
         await rt.js.add_consumer(spec.stream, spec.config())
-        handler = session_closings(repo, analyst, MAX_DELIVER, spec.backoff[0] / 3)
+        handler = session_closings(repo, analyst, rt.nc, MAX_DELIVER, spec.backoff[0] / 3)
         for worker in range(settings.analysis_workers):
             consumer = DurableConsumer(rt.nc, rt.js, rt.pool, spec, handler)
             rt.background(consumer.run(), f"session-closings-{worker}")

@@ -10,11 +10,12 @@ import asyncio
 import contextlib
 from itertools import groupby
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
 from contracts.common import ErrorCode
-from contracts.events import Event
+from contracts.events import Event, EventType
 from contracts.psychologist import (
     AnalysisOutcome,
     HypothesesReply,
@@ -33,6 +34,7 @@ from psychologist.sessionlog import SessionLog
 from servicekit.consumer import Handler, Permanent
 from servicekit.endpoint import Endpoints
 from servicekit.logs import get_logger
+from servicekit.provenance import confirm
 
 log = get_logger(__name__)
 
@@ -100,10 +102,23 @@ async def _keep_alive(msg: Msg, every: float) -> None:
             await msg.in_progress()
 
 
+CLOSINGS = frozenset({EventType.SESSION_CLOSED, EventType.SESSION_CLOSED_ABNORMALLY})
+CONSUMER = "psychologist-session-closings"
+
+
 def session_closings(
-    repo: PsychologistRepository, analyst: Analyst, max_deliver: int, keep_alive: float
+    repo: PsychologistRepository,
+    analyst: Analyst,
+    nc: Client,
+    max_deliver: int,
+    keep_alive: float,
 ) -> Handler:
-    """The consumer of `session.closed*`: every closed session analysed once (decision 1)."""
+    """The consumer of `session.closed*`: every closed session analysed once (decision 1).
+
+    Money is spent only on a closing the log confirms: a forged `session.closed` on the
+    bus (a session still open, one that does not exist, another actor) is acked and
+    ignored as `forged_event_ignored`.
+    """
 
     async def on_closed(msg: Msg) -> None:
         try:
@@ -113,6 +128,8 @@ def session_closings(
         # Decision 5: the cheap short-circuit, before any read of the log or the model.
         if await repo.already_analyzed(event.session_id):
             log.info("already_analyzed", session_id=str(event.session_id))
+            return
+        if event.type not in CLOSINGS or await confirm(nc, event, consumer=CONSUMER) is None:
             return
         last_attempt = msg.metadata.num_delivered >= max_deliver
         beating = asyncio.create_task(_keep_alive(msg, keep_alive))

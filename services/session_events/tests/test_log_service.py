@@ -453,3 +453,37 @@ async def test_a_projects_sessions_are_listed_newest_first(nc: Client, open_sess
         (newer.session_id, "open", None),
         (older.session_id, "closed_abnormally", "boom"),
     ]
+
+
+async def test_values_postgres_cannot_keep_are_refused_naming_the_field(
+    nc: Client, open_session: Any, database_url: str
+) -> None:
+    opened = await open_session()
+    sid = str(opened.session_id)
+    good = {
+        "session_id": sid,
+        "type": "chat.message",
+        "actor": "user:ana",
+        "payload": {"text": "hi"},
+    }
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        (subjects.EVENTS_APPEND, {**good, "payload": {"text": "a\u0000b"}}, "payload"),
+        (subjects.EVENTS_APPEND, {**good, "idempotency_key": "k\u0000"}, "idempotency_key"),
+        (subjects.EVENTS_APPEND, {**good, "type": "chat.message\u0000"}, "type"),
+        (subjects.SESSIONS_TERMINATE, {"session_id": sid, "reason": "gone\u0000"}, "reason"),
+        (subjects.EVENTS_LIST, {"session_id": sid, "after_seq": 2**63}, "after_seq"),
+        (subjects.SESSIONS_OPEN, {"project_id": "p\u0000", "opened_by": "user:ana"}, "project_id"),
+    ]
+    for subject, request, field in cases:
+        reply = await raw_request(nc, subject, json.dumps(request).encode())
+        assert reply["error"]["code"] == "invalid_request", (subject, request, reply)
+        assert f"{field}:" in reply["error"]["message"], reply
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch("SELECT status FROM session_events.sessions")
+        count = await conn.fetchval("SELECT count(*) FROM session_events.events")
+    finally:
+        await conn.close()
+    assert [r["status"] for r in rows] == ["open"]
+    assert count == 1  # only session.opened

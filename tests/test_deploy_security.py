@@ -1,0 +1,170 @@
+"""docker-compose and deploy/k8s run NATS with the users the contracts declare (offline).
+
+The auth block committed for compose and k8s is what `agentbus nats-config` generates
+now (no drift from the catalog), it holds no secret (nats-server refuses it without
+the passwords in its environment and accepts it with them), and every service is
+given its own user and only its own password.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from servicekit.embedded import nats_server_binary
+from servicekit.natsconf import password_variable
+from servicekit.permissions import ADMIN, SERVICES, USERS
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "k8s"
+DEPLOYED_USERS = [u for u in USERS if u != ADMIN]  # no unrestricted user outside a laptop
+
+
+def generated_auth() -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "servicekit.cli", "nats-config"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def k8s_documents(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def nats_configmap() -> dict[str, str]:
+    [config] = [d for d in k8s_documents("nats.yaml") if d["kind"] == "ConfigMap"]
+    data: dict[str, str] = config["data"]
+    return data
+
+
+def server_accepts(config_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(config_dir / "nats.conf")],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ.get("PATH", ""), **env},
+    )
+
+
+def passwords() -> dict[str, str]:
+    return {password_variable(u): f"pw-{u}" for u in DEPLOYED_USERS}
+
+
+def test_the_committed_auth_blocks_are_what_the_catalog_generates() -> None:
+    # after a change to the catalog: `make nats-config`
+    expected = generated_auth()
+
+    assert (ROOT / "deploy" / "nats" / "auth.conf").read_text() == expected
+    assert nats_configmap()["auth.conf"] == expected
+
+
+def test_no_password_is_written_in_the_auth_block() -> None:
+    auth = generated_auth()
+    values = re.findall(r"password: (\S+)", auth)
+
+    assert len(values) == len(DEPLOYED_USERS)
+    assert all(v.startswith("$NATS_PASSWORD_") for v in values)
+    assert '"admin"' not in auth
+
+
+def test_the_compose_nats_config_needs_and_takes_the_passwords() -> None:
+    config_dir = ROOT / "deploy" / "nats"
+
+    refused = server_accepts(config_dir, {})
+    accepted = server_accepts(config_dir, passwords())
+
+    assert refused.returncode != 0 and "NATS_PASSWORD_" in refused.stderr
+    assert accepted.returncode == 0, accepted.stderr
+
+
+def test_the_k8s_nats_config_needs_and_takes_the_passwords(tmp_path: Path) -> None:
+    for name, text in nats_configmap().items():
+        (tmp_path / name).write_text(text)
+    env = {"POD_NAME": "nats-0"}
+
+    assert server_accepts(tmp_path, env).returncode != 0
+    accepted = server_accepts(tmp_path, {**env, **passwords()})
+    assert accepted.returncode == 0, accepted.stderr
+    [server] = [d for d in k8s_documents("nats.yaml") if d["kind"] == "StatefulSet"]
+    [container] = server["spec"]["template"]["spec"]["containers"]
+    assert {"secretRef": {"name": "agentbus-nats"}} in container["envFrom"]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def own_secret(user: str) -> dict[str, Any]:
+    return {"secretKeyRef": {"name": "agentbus-nats", "key": password_variable(user)}}
+
+
+@pytest.mark.parametrize("service", [s for s in SERVICES if s != "gateway"])
+def test_each_k8s_service_connects_as_itself(service: str) -> None:
+    [deployment] = [
+        d for d in k8s_documents(f"{service.replace('_', '-')}.yaml") if d["kind"] == "Deployment"
+    ]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    env = env_of(container)
+
+    assert container["args"] == [service]
+    assert env["NATS_USER"] == service
+    assert env["NATS_PASSWORD"] == own_secret(service)
+
+
+def test_k8s_provisions_the_streams_in_a_job_as_the_provision_user() -> None:
+    [job] = k8s_documents("provision-job.yaml")
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    env = env_of(container)
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+    assert job["kind"] == "Job"
+    assert container["args"] == ["servicekit.cli", "provision"]
+    assert env["NATS_USER"] == "provision"
+    assert env["NATS_PASSWORD"] == own_secret("provision")
+    assert env["AGENTBUS_STREAM_REPLICAS"] == "3"
+    assert "provision-job.yaml" in kustomization["resources"]
+    assert "nats-secret.example.yaml" not in kustomization["resources"]
+
+
+def test_compose_gives_each_service_its_own_user_and_provisions_first() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    by_command = {s["command"][0]: (name, s) for name, s in services.items() if "command" in s}
+
+    for service in SERVICES:
+        name, spec = by_command[service]
+        env = spec["environment"]
+        assert env["NATS_USER"] == service, name
+        assert env["NATS_PASSWORD"].startswith(f"${{{password_variable(service)}:?"), name
+        assert spec["depends_on"]["provision"]["condition"] == "service_completed_successfully"
+    provision = services["provision"]
+    assert provision["command"] == ["servicekit.cli", "provision"]
+    assert provision["environment"]["NATS_USER"] == "provision"
+    nats_env = services["nats"]["environment"]
+    assert set(nats_env) == {password_variable(u) for u in DEPLOYED_USERS}
+    assert "./deploy/nats:/etc/nats:ro" in services["nats"]["volumes"]
+
+
+def test_make_nats_config_rewrites_both_blocks_in_place(tmp_path: Path) -> None:
+    from servicekit.natsconf import COMPOSE_AUTH, K8S_NATS, write_deployed_auth
+
+    for rel in (COMPOSE_AUTH, K8S_NATS):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((ROOT / rel).read_text().replace("gateway", "stale"))
+
+    write_deployed_auth(tmp_path)
+
+    assert (tmp_path / COMPOSE_AUTH).read_text() == (ROOT / COMPOSE_AUTH).read_text()
+    rewritten = (tmp_path / K8S_NATS).read_text()
+    # the auth block is back; the rest of the manifest is left as it was
+    assert rewritten.count('user: "gateway"') == 1
+    assert rewritten.replace("stale", "gateway") == (ROOT / K8S_NATS).read_text()
