@@ -37,7 +37,7 @@ from contracts.criativo import AgentDone
 from contracts.events import Event, EventType
 from contracts.gateway import DoneFrame, EventFrame
 from contracts.metering import TurnDelta
-from contracts.session_events import EventsReply, GetEvents, ListEvents
+from contracts.session_events import EventsReply, ListEvents
 from gateway.bus import Commands
 from servicekit.logs import get_logger
 
@@ -126,32 +126,23 @@ class SessionFeed:
         """Note the outcomes at or before `after_seq` of the turns `deltas` belong to.
 
         A resuming client has everything up to `after_seq`; an open turn's outcome may be
-        among it. The log is read from the turn's cause on (the outcome follows it), so
-        this reads only the recent tail, and only when an open turn has such a cause.
+        among it, after the turn's cause. The log reads only forward, so pages are read
+        from further and further back until every cause is found: open turns are recent,
+        so in practice this is one page, and only when an open turn has such a cause.
         """
         causes = {d.causation_id for d in deltas if d.causation_id is not None}
-        if after_seq == 0 or not causes:
-            return
-        found = await self._commands(
-            subjects.EVENTS_GET, GetEvents(event_ids=sorted(causes, key=str)), EventsReply
-        )
-        mine = [e.seq for e in found.events if e.session_id == self.session_id]
-        cursor = min((seq for seq in mine if seq <= after_seq), default=after_seq)
-        while cursor < after_seq:
+        end = after_seq if causes else 0
+        while causes and end > 0:
+            start = max(0, end - PAGE)
             reply = await self._commands(
                 subjects.EVENTS_LIST,
-                ListEvents(
-                    session_id=self.session_id,
-                    after_seq=cursor,
-                    limit=min(PAGE, after_seq - cursor),
-                ),
+                ListEvents(session_id=self.session_id, after_seq=start, limit=end - start),
                 EventsReply,
             )
             for event in reply.events:
                 self._note_outcome(event)
-            if not reply.events:
-                return
-            cursor = reply.events[-1].seq
+                causes.discard(event.id)
+            end = start
 
     def _note_outcome(self, event: Event) -> None:
         if event.type in OUTCOMES and event.causation_id is not None:
