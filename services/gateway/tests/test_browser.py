@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page, WebSocketRoute, async_playwright
 
 from contracts import subjects
 from contracts.events import EventType
@@ -371,3 +371,36 @@ async def test_stop_in_the_browser_ends_the_answer_where_it_was(
     assert await page.locator("#stop").is_hidden()
     assert await page.locator(".msg.streaming").count() == 0
     await shot(page, "10-stopped-answer")
+
+
+@pytest.mark.timeout(120)
+async def test_a_message_sent_into_a_dead_socket_survives_a_reload_and_is_sent_once(
+    gateway: Gateway, browser: Browser
+) -> None:
+    """The socket looks open but nothing answers (a half-dead network): the message waits
+    as pending, is kept across a reload, and is sent again from the reloaded page."""
+    page = await browser.new_page()
+    blocked = True
+
+    def route(ws: WebSocketRoute) -> None:
+        if not blocked:
+            ws.connect_to_server()  # forwarded both ways
+
+    await open_session_page(gateway, page)
+    await page.route_web_socket("**/ws?*", route)
+    await page.evaluate("window.agentbusConnection.drop()")
+    await page.locator('#connection[data-state="connecting"]').wait_for(state="attached")
+    await say(page, "dito para o vazio")
+    await page.locator(".msg.user.pending").wait_for()
+    blocked = False
+    await page.reload()
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    await responses(page, 1)
+    bubbles = await chat_texts(page)
+    assert bubbles[0] == ("user", "dito para o vazio") and [k for k, _ in bubbles] == [
+        "user",
+        "agent",
+    ], bubbles
+    assert await page.locator(".msg.pending").count() == 0
+    said = EventType.CHAT_MESSAGE.value
+    assert await page.locator(f'#events li[data-type="{said}"]').count() == 1
