@@ -5,6 +5,9 @@
 const CLOSE_UNAUTHORIZED = 4401; // the token was refused: retrying cannot help
 const FIRST_RETRY_MS = 500;
 const MAX_RETRY_MS = 10_000;
+// A socket that opens but never answers the join (a half-dead network or proxy) is
+// dropped and tried again, rather than left "connecting" for ever.
+const JOIN_TIMEOUT_MS = 10_000;
 
 export class Connection {
   // onFrame(frame): every frame; onState(state, detail): "connecting" | "live" |
@@ -23,19 +26,23 @@ export class Connection {
     this.ws = ws;
     // The gateway carries out one connection's frames in order, so whatever is sent
     // after the join acts in the joined session, even before the join's ack arrives.
+    let joinTimer = null;
     ws.onopen = () => {
       ws.send(JSON.stringify({ ...this.join(), ref: "join" }));
+      joinTimer = setTimeout(() => ws.close(), JOIN_TIMEOUT_MS);
       this.onOpen();
     };
     ws.onmessage = (m) => {
       const frame = JSON.parse(m.data);
       if (frame.type === "ack" && frame.of === "join") {
+        clearTimeout(joinTimer);
         this.failures = 0;
         this.onState("live");
       }
       this.onFrame(frame);
     };
     ws.onclose = (c) => {
+      clearTimeout(joinTimer);
       if (this.ws !== ws) return; // an old socket closing late
       this.onLost();
       if (c.code === CLOSE_UNAUTHORIZED) { this.onState("refused"); return; }
