@@ -50,10 +50,12 @@ function savePending() {
   sessionStorage.setItem(PENDING_KEY, JSON.stringify(pending.map(({ text, client_msg_id }) => ({ text, client_msg_id }))));
 }
 
+// Below the conversation, not in it: a pending message takes its place in the chat
+// when the log has it (it may come after answers the person has not seen yet).
 function showPending(item) {
-  item.node = bubble("user pending", item.text);
+  item.node = el("div", { class: "msg user pending", title: "waiting to be sent" }, item.text);
   item.node.dataset.clientMsgId = item.client_msg_id;
-  item.node.title = "waiting to be sent";
+  document.getElementById("outbox").append(item.node);
 }
 
 function flushPending() {
