@@ -22,6 +22,7 @@ from contracts.gateway import (
     Heartbeat,
     RejectHandoff,
     StartAgent,
+    StopTurn,
 )
 from contracts.handoff import (
     AcceptReply,
@@ -30,6 +31,7 @@ from contracts.handoff import (
     HandoffDecision,
     HandoffReply,
 )
+from contracts.metering import CancelReply, CancelTurn
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
@@ -60,6 +62,7 @@ class SessionActions:
             RejectHandoff: self.reject_handoff,
             CloseSessionFrame: self.close,
             Heartbeat: self.heartbeat,
+            StopTurn: self.stop_turn,
         }
         act = table[type(frame)]
         return lambda: act(frame)
@@ -127,4 +130,12 @@ class SessionActions:
     async def heartbeat(self, _: Heartbeat) -> HeartbeatReply:
         return await self._c(
             subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=self._s), HeartbeatReply
+        )
+
+    async def stop_turn(self, frame: StopTurn) -> CancelReply:
+        # Scoped to the joined session: metering never touches a turn of another one.
+        return await self._c(
+            subjects.LLM_CANCEL,
+            CancelTurn(turn_id=frame.turn_id, project_id=self._p.project_id, session_id=self._s),
+            CancelReply,
         )

@@ -9,7 +9,15 @@ read the missing ones from the log first, so a gap never reaches the client.
 
 Deltas live in the short-lived DELTAS stream: on join, the deltas of every turn not yet
 closed by an `agent.done` are replayed from it, then live ones follow, deduplicated by
-(turn, seq).
+(turn, seq). A turn's deltas are only worth sending before its outcome: the event that
+answers what caused it (`agent.response` / `agent.error` for a message,
+`artifact.product_brief` / `agent.error` for the consolidation turn after readiness, all
+with the cause as `causation_id`). The `agent.done` that closes the turn is published
+independently of the outcome, so a joiner can read the outcome from the log while the
+DELTAS stream still holds the turn open: once this client has the outcome (sent now, or
+at or before its `after_seq`), the turn's deltas are dropped, replayed or live. Without
+that, a client joining as a turn ends got `agent.response`, then the whole turn again as
+deltas (issue 10).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from contracts import streams, subjects
 from contracts.criativo import AgentDone
-from contracts.events import Event
+from contracts.events import Event, EventType
 from contracts.gateway import DoneFrame, EventFrame
 from contracts.metering import TurnDelta
 from contracts.session_events import EventsReply, ListEvents
@@ -38,6 +46,14 @@ log = get_logger(__name__)
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 PAGE = 500
 DELTA_PREFIX, DONE_PREFIX = subjects.DELTA_PREFIX, subjects.DONE_PREFIX
+# Events that end the turn their `causation_id` caused: no delta of it may follow them.
+OUTCOMES = frozenset(
+    {
+        EventType.AGENT_RESPONSE.value,
+        EventType.AGENT_ERROR.value,
+        EventType.ARTIFACT_PRODUCT_BRIEF.value,
+    }
+)
 
 
 def session_filter(project_id: str, session_id: uuid.UUID) -> str:
@@ -62,6 +78,8 @@ class SessionFeed:
         # (turn, seq) already sent, per open turn; forgotten when the turn is done.
         self._sent_deltas: dict[str, set[int]] = {}
         self._closed_turns: set[str] = set()
+        # Causes (message, readiness) whose outcome this client has: their turns are over.
+        self._answered: set[uuid.UUID] = set()
 
     async def start(self, after_seq: int) -> None:
         """Subscribe, replay the log after `after_seq` and the open turns' deltas, go live."""
@@ -74,7 +92,10 @@ class SessionFeed:
         await nc.flush()  # the server knows the subscription before the log is read
         self.last_seq = after_seq
         pending_deltas = await self._open_turn_deltas()
+        await self._outcomes_already_sent(pending_deltas, after_seq)
         await self._catch_up()
+        # After the log: a turn whose outcome was just sent is dropped here, and the
+        # others' deltas still come before their outcome, which is live, later.
         for frame in pending_deltas:
             await self._send_delta(frame)
         self._pump = asyncio.create_task(self._run(), name=f"feed-{self.session_id}")
@@ -101,15 +122,44 @@ class SessionFeed:
             if len(reply.events) < PAGE:
                 return
 
+    async def _outcomes_already_sent(self, deltas: list[TurnDelta], after_seq: int) -> None:
+        """Note the outcomes at or before `after_seq` of the turns `deltas` belong to.
+
+        A resuming client has everything up to `after_seq`; an open turn's outcome may be
+        among it, after the turn's cause. The log reads only forward, so pages are read
+        from further and further back until every cause is found: open turns are recent,
+        so in practice this is one page, and only when an open turn has such a cause.
+        """
+        causes = {d.causation_id for d in deltas if d.causation_id is not None}
+        end = after_seq if causes else 0
+        while causes and end > 0:
+            start = max(0, end - PAGE)
+            reply = await self._commands(
+                subjects.EVENTS_LIST,
+                ListEvents(session_id=self.session_id, after_seq=start, limit=end - start),
+                EventsReply,
+            )
+            for event in reply.events:
+                self._note_outcome(event)
+                causes.discard(event.id)
+            end = start
+
+    def _note_outcome(self, event: Event) -> None:
+        if event.type in OUTCOMES and event.causation_id is not None:
+            self._answered.add(event.causation_id)
+
     async def _send_event(self, event: Event) -> None:
         if event.seq <= self.last_seq:
             return  # already sent (read from the log and received live)
         self.last_seq = event.seq
+        self._note_outcome(event)
         await self._send(EventFrame(event=event).model_dump(mode="json"))
 
     async def _send_delta(self, delta: TurnDelta) -> None:
         if delta.turn_id in self._closed_turns:
             return
+        if delta.causation_id is not None and delta.causation_id in self._answered:
+            return  # the client has the outcome: the whole text, and no delta after it
         seen = self._sent_deltas.setdefault(delta.turn_id, set())
         if delta.seq in seen:
             return
@@ -178,6 +228,7 @@ class SessionFeed:
             done = AgentDone.model_validate_json(msg.data)
             for turn_id in done.turn_ids:
                 self._sent_deltas.pop(turn_id, None)
+            self._closed_turns.update(done.turn_ids)
             frame = DoneFrame(
                 message_id=done.causation_id,
                 agent=done.agent,

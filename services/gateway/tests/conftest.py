@@ -26,7 +26,7 @@ from gateway.app import main as gateway_main
 from gateway.auth import mint
 from gateway.settings import GatewaySettings
 from handoff.app import main as handoff_main
-from metering.providers.scripted import DEFAULT_SCRIPT, ScriptedProvider
+from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
 from metering.testing import Starter
 from psychologist.app import PsychologistSettings
 from psychologist.app import main as psychologist_main
@@ -119,6 +119,12 @@ def gateway_overrides() -> dict[str, Any]:
     return {}
 
 
+@pytest.fixture
+def script() -> Script:
+    """What the scripted model answers; a test overrides it for a slower or longer turn."""
+    return DEFAULT_SCRIPT.model_copy(update={"token_delay_ms": 5.0})
+
+
 def fast(nats_url: str, database_url: str) -> dict[str, Any]:
     return {"nats_url": nats_url, "database_url": database_url, "outbox_poll_seconds": 0.2}
 
@@ -131,6 +137,7 @@ async def gateway(
     start_metering: Starter,
     heartbeat_timeout: float,
     gateway_overrides: dict[str, Any],
+    script: Script,
 ) -> AsyncIterator[Gateway]:
     """The whole platform (offline script) and the gateway on a free port."""
     base = fast(nats_url, database_url)
@@ -144,7 +151,6 @@ async def gateway(
             (handoff_main(ServiceSettings(**base)), "handoff"),
         ]:
             await stack.enter_async_context(running_service(main, nc, name))
-        script = DEFAULT_SCRIPT.model_copy(update={"token_delay_ms": 5.0})
         await start_metering(provider=ScriptedProvider(script))
         criativo = CriativoSettings(**base, lease_ttl_seconds=3.0)
         await stack.enter_async_context(running_service(criativo_main(criativo), nc, "criativo"))

@@ -1,6 +1,8 @@
 """The whole story in a real headless Chromium (Debian's, driven by Playwright), on the
 scripted model: chat streaming, a rule card, readiness, the brief and the handoff
-divider, closing, Insights, and an evidence chip landing on the highlighted event."""
+divider, closing, Insights, and an evidence chip landing on the highlighted event.
+Then the page under real use (issue 10): a socket dropped mid-answer, a reload
+mid-answer, two messages typed back to back, a message typed while disconnected."""
 
 from __future__ import annotations
 
@@ -10,9 +12,15 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from playwright.async_api import Browser, Page, async_playwright
+from nats.aio.client import Client
+from playwright.async_api import Browser, Page, WebSocketRoute, async_playwright
 
+from contracts import subjects
 from contracts.events import EventType
+from contracts.metering import TurnDelta
+from contracts.session_events import AppendedReply, AppendEvent
+from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
+from servicekit.client import call
 from servicekit.testing import wait_for
 
 from .conftest import Gateway
@@ -38,6 +46,19 @@ new MutationObserver(() => {
   if (live) window.__lengths.push(live.textContent.length);
 }).observe(document.getElementById('chat'), {subtree: true, childList: true, characterData: true});
 """
+
+
+# A message containing SLOW is answered with these words, 25 ms apart (about a second):
+# time enough to drop the socket or reload the page in the middle of the answer.
+SLOW_ANSWER = " ".join(f"palavra{i}" for i in range(40))
+
+
+@pytest.fixture
+def script() -> Script:
+    slow = ScriptStep(contains="SLOW", text=SLOW_ANSWER, token_delay_ms=25)
+    return DEFAULT_SCRIPT.model_copy(
+        update={"token_delay_ms": 5.0, "steps": [slow, *DEFAULT_SCRIPT.steps]}
+    )
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -78,8 +99,16 @@ async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browser) 
     await page.locator(".rule-card").first.wait_for(timeout=30_000)
     await shot(page, "1-chat-and-rule")
 
+    await page.evaluate(
+        """window.__writing = false;
+        new MutationObserver(() => {
+          if (document.querySelector('.brief-writing')) window.__writing = true;
+        }).observe(document.getElementById('chat'), {subtree: true, childList: true});"""
+    )
     await page.click("#ready")
     await page.locator(".brief").wait_for(timeout=30_000)
+    assert await page.evaluate("window.__writing"), "the brief was not shown being written"
+    assert await page.locator(".brief-writing").count() == 0  # replaced by the card
     await page.locator(".divider").wait_for(timeout=30_000)
     assert await page.locator(".divider button").count() == 2  # the person can act on it
     await shot(page, "2-brief-and-handoff")
@@ -109,3 +138,269 @@ async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browser) 
     assert await highlighted.is_visible()
     await shot(page, "4-highlighted-event")
     assert problems == []
+
+
+# Every text the streaming bubble showed, so a repeated word shown even briefly is caught.
+RECORD_STREAMING = """
+window.__shown = window.__shown || [];
+new MutationObserver(() => {
+  for (const live of document.querySelectorAll('.msg.agent.streaming'))
+    window.__shown.push(live.textContent);
+}).observe(document.getElementById('chat'), {subtree: true, childList: true, characterData: true});
+"""
+
+
+async def open_session_page(gateway: Gateway, page: Page) -> None:
+    await page.goto(f"{gateway.url}/?token={gateway.token()}")
+    await page.click("#new-session")
+    await page.wait_for_url("**/session.html?id=*")
+    await page.locator('#connection[data-state="live"]').wait_for()
+    await page.click("#start-criativo")
+    await page.locator(f'#events li[data-type="{EventType.AGENT_ACTIVATED.value}"]').wait_for(
+        state="attached"
+    )
+
+
+async def say(page: Page, text: str) -> None:
+    await page.fill("#text", text)
+    await page.press("#text", "Enter")
+
+
+async def streamed_words(page: Page, at_least: int) -> None:
+    await page.wait_for_function(
+        f"""() => {{
+          const live = document.querySelector('.msg.agent.streaming');
+          return live && live.textContent.split(' ').length >= {at_least};
+        }}"""
+    )
+
+
+async def responses(page: Page, n: int) -> None:
+    response = EventType.AGENT_RESPONSE.value
+    await (
+        page.locator(f'#events li[data-type="{response}"]')
+        .nth(n - 1)
+        .wait_for(state="attached", timeout=30_000)
+    )
+
+
+async def chat_texts(page: Page) -> list[tuple[str, str]]:
+    """(kind, text) of every bubble of the chat, top to bottom."""
+    got: list[list[str]] = await page.evaluate(
+        """[...document.querySelectorAll('#chat .msg')].map(
+             (n) => [n.classList.contains('user') ? 'user' : 'agent', n.textContent])"""
+    )
+    return [(kind, text) for kind, text in got]
+
+
+@pytest.mark.timeout(120)
+async def test_an_answer_survives_a_dropped_socket_and_a_reload_whole_and_once(
+    gateway: Gateway, browser: Browser
+) -> None:
+    page = await browser.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    await open_session_page(gateway, page)
+    await page.evaluate(RECORD_STREAMING)
+
+    # 1. The socket drops in the middle of the answer; the page reconnects by itself.
+    await say(page, "SLOW one")
+    await streamed_words(page, 5)
+    await page.evaluate("window.agentbusConnection.drop()")
+    await page.locator('#connection[data-state="reconnecting"]').wait_for(state="attached")
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    await responses(page, 1)
+    shown: list[str] = await page.evaluate("window.__shown")
+    assert shown, "the answer never streamed"
+    assert all(SLOW_ANSWER.startswith(text) for text in shown), "a word shown twice"
+    assert await chat_texts(page) == [("user", "SLOW one"), ("agent", SLOW_ANSWER)]
+    await shot(page, "5-after-reconnect")
+
+    # 2. The page is reloaded in the middle of the next answer.
+    await say(page, "SLOW two")
+    await streamed_words(page, 5)
+    await page.reload()
+    await page.evaluate(RECORD_STREAMING)
+    await responses(page, 2)
+    shown = await page.evaluate("window.__shown")
+    assert all(SLOW_ANSWER.startswith(text) for text in shown), "a word shown twice"
+    expected = [("user", "SLOW one"), ("agent", SLOW_ANSWER)] * 2
+    expected[2] = ("user", "SLOW two")
+    assert await chat_texts(page) == expected
+    assert await page.locator(".msg.streaming").count() == 0, "a bubble never finished"
+    await shot(page, "6-after-reload")
+    assert problems == []
+
+
+@pytest.mark.timeout(120)
+async def test_two_messages_typed_back_to_back_are_each_answered_once_in_order(
+    gateway: Gateway, browser: Browser
+) -> None:
+    page = await browser.new_page()
+    await open_session_page(gateway, page)
+    await say(page, "primeiro pedido: entregas na segunda")
+    await say(page, "segundo pedido: pagamentos na sexta")
+    await responses(page, 2)
+    await page.wait_for_function("document.querySelectorAll('.msg.streaming').length === 0")
+    bubbles = await chat_texts(page)
+    # Both were said before the first answer came: the chat shows the log's order.
+    said = [text for kind, text in bubbles if kind == "user"]
+    assert said == ["primeiro pedido: entregas na segunda", "segundo pedido: pagamentos na sexta"]
+    answered = [text for kind, text in bubbles if kind == "agent"]
+    async with gateway.http() as http:
+        session = page.url.split("id=")[1]
+        r = await http.get(f"/api/projects/{gateway.project}/sessions/{session}/events")
+        events = r.json()["events"]
+    messages = [e["id"] for e in events if e["type"] == EventType.CHAT_MESSAGE.value]
+    answers = [e for e in events if e["type"] == EventType.AGENT_RESPONSE.value]
+    assert [a["causation_id"] for a in answers] == messages, "not answered in order, once each"
+    assert answered == [a["payload"]["text"] for a in answers], "an answer shown twice or lost"
+    await shot(page, "7-back-to-back")
+
+
+@pytest.mark.timeout(120)
+async def test_a_message_typed_while_disconnected_is_sent_on_reconnect(
+    gateway: Gateway, browser: Browser
+) -> None:
+    context = await browser.new_context()
+    page = await context.new_page()
+    await open_session_page(gateway, page)
+    await context.set_offline(True)
+    await page.evaluate("window.agentbusConnection.drop()")
+    await page.locator('#connection[data-state="reconnecting"]').wait_for(state="attached")
+    await say(page, "escrito sem rede")
+    pending = page.locator(".msg.user.pending")
+    await pending.wait_for()
+    assert await pending.text_content() == "escrito sem rede"
+    assert await page.input_value("#text") == ""  # in the pending bubble, not lost
+    await shot(page, "8-pending-while-offline")
+    await context.set_offline(False)
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached", timeout=30_000)
+    await responses(page, 1)
+    assert await pending.count() == 0
+    bubbles = await chat_texts(page)
+    assert [kind for kind, _ in bubbles] == ["user", "agent"], bubbles
+    assert bubbles[0][1] == "escrito sem rede"
+    await context.close()
+
+
+# --- a turn played by the test itself: its deltas on the bus, its outcome in the log ----
+
+
+async def session_on_page(gateway: Gateway, page: Page) -> str:
+    """A session without any agent started, open in the page; its id."""
+    await page.goto(f"{gateway.url}/?token={gateway.token()}")
+    await page.click("#new-session")
+    await page.wait_for_url("**/session.html?id=*")
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    return page.url.split("id=")[1]
+
+
+async def event_id(page: Page, event_type: str) -> str:
+    item = page.locator(f'#events li[data-type="{event_type}"]').first
+    await item.wait_for(state="attached")
+    return ((await item.get_attribute("id")) or "").removeprefix("event-")
+
+
+async def play_deltas(
+    nc: Client, gateway: Gateway, session: str, cause: str, turn: str, words: list[str]
+) -> None:
+    js = nc.jetstream()
+    for seq, word in enumerate(words, start=1):
+        delta = TurnDelta(turn_id=turn, seq=seq, text=word, emitted_at=0.0, causation_id=cause)
+        await js.publish(
+            subjects.delta_subject(gateway.project, session), delta.model_dump_json().encode()
+        )
+
+
+async def append(
+    nc: Client, session: str, kind: str, payload: dict[str, object], cause: str
+) -> None:
+    await call(
+        nc,
+        subjects.EVENTS_APPEND,
+        AppendEvent(
+            session_id=session,
+            type=kind,
+            actor="agent:criativo",
+            payload=payload,
+            causation_id=cause,
+        ),
+        AppendedReply,
+    )
+
+
+@pytest.mark.timeout(60)
+async def test_the_brief_is_shown_being_written_then_as_its_card(
+    gateway: Gateway, browser: Browser, nc: Client
+) -> None:
+    page = await browser.new_page()
+    session = await session_on_page(gateway, page)
+    await page.click("#ready")
+    readiness = await event_id(page, EventType.CRIATIVO_READINESS_CONFIRMED.value)
+    words = ['{"title": ', '"Receitas", ', '"summary": ', '"Um app"}']
+    await play_deltas(nc, gateway, session, readiness, "criativo.consolidation.1", words)
+    writing = page.locator(".brief-writing")
+    await page.wait_for_function(
+        "document.querySelector('.brief-writing')?.textContent.includes('Um app')"
+    )
+    assert "Writing the brief" in (await writing.text_content() or "")
+    await shot(page, "9-brief-being-written")
+    brief = {"title": "Receitas", "summary": "Um app de receitas"}
+    await append(nc, session, EventType.ARTIFACT_PRODUCT_BRIEF.value, brief, readiness)
+    await page.locator(".brief").wait_for()
+    assert await writing.count() == 0, "the brief being written was not replaced by its card"
+    assert await page.locator(".brief").text_content() == "Brief: ReceitasUm app de receitas"
+
+
+@pytest.mark.timeout(60)
+async def test_stop_in_the_browser_ends_the_answer_where_it_was(
+    gateway: Gateway, browser: Browser
+) -> None:
+    page = await browser.new_page()
+    await open_session_page(gateway, page)
+    assert await page.locator("#stop").is_hidden()  # nothing streams yet
+    await say(page, "SLOW")
+    await streamed_words(page, 5)
+    await page.click("#stop")
+    answer = page.locator(".msg.agent.stopped")
+    await answer.wait_for(timeout=30_000)
+    text = (await answer.locator(".text").text_content()) or ""
+    assert text and SLOW_ANSWER.startswith(text) and text != SLOW_ANSWER, text
+    assert (await answer.text_content()) == f"{text} (stopped)"
+    assert await page.locator("#stop").is_hidden()
+    assert await page.locator(".msg.streaming").count() == 0
+    await shot(page, "10-stopped-answer")
+
+
+@pytest.mark.timeout(120)
+async def test_a_message_sent_into_a_dead_socket_survives_a_reload_and_is_sent_once(
+    gateway: Gateway, browser: Browser
+) -> None:
+    """The socket looks open but nothing answers (a half-dead network): the message waits
+    as pending, is kept across a reload, and is sent again from the reloaded page."""
+    page = await browser.new_page()
+    blocked = True
+
+    def route(ws: WebSocketRoute) -> None:
+        if not blocked:
+            ws.connect_to_server()  # forwarded both ways
+
+    await open_session_page(gateway, page)
+    await page.route_web_socket("**/ws?*", route)
+    await page.evaluate("window.agentbusConnection.drop()")
+    await page.locator('#connection[data-state="connecting"]').wait_for(state="attached")
+    await say(page, "dito para o vazio")
+    await page.locator(".msg.user.pending").wait_for()
+    blocked = False
+    await page.reload()
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    await responses(page, 1)
+    bubbles = await chat_texts(page)
+    assert bubbles[0] == ("user", "dito para o vazio") and [k for k, _ in bubbles] == [
+        "user",
+        "agent",
+    ], bubbles
+    assert await page.locator(".msg.pending").count() == 0
+    said = EventType.CHAT_MESSAGE.value
+    assert await page.locator(f'#events li[data-type="{said}"]').count() == 1

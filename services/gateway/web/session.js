@@ -1,20 +1,30 @@
 // Event types are the wire contract's (contracts/contracts/events.py, contracts/asyncapi.json).
 // The session page: chat streaming token by token, rule cards, readiness, the brief
-// and the handoff divider, agent errors, and the event log (?highlightEvent=<id>).
+// being written then its card, the handoff divider, agent errors, Stop, and the event
+// log (?highlightEvent=<id>). Under real use (issue 10): a reconnect replays the deltas
+// of the turn in flight, so deltas are kept by (turn_id, seq) and each shown once; a
+// message typed while disconnected waits, shown as pending, and is sent on reconnect
+// with its `client_msg_id` (the gateway appends it once however often it is sent).
 import { el, header, params, token } from "/common.js";
+import { Connection } from "/connection.js";
 
 const sessionId = params.get("id");
 const highlight = params.get("highlightEvent");
 const chat = document.getElementById("chat");
 const problem = document.getElementById("problem");
+const stopButton = document.getElementById("stop");
+const PENDING_KEY = `agentbus.pending.${sessionId}`;
 let lastSeq = 0;
-let ws;
-const streaming = new Map(); // message id -> the bubble its deltas fill
+const kinds = new Map(); // event id -> type, for what a delta's `message_id` points at
+const answered = new Set(); // causes whose outcome arrived: no delta of theirs is shown
+const streaming = new Map(); // cause id -> { node, body, turns: Map<turn_id, Map<seq, text>> }
+let lastTurn = null; // the turn that streamed last: what Stop stops
+// Messages not yet acknowledged, in the order typed; kept across a reload.
+const pending = JSON.parse(sessionStorage.getItem(PENDING_KEY) || "[]");
 
 document.getElementById("session-id").textContent = sessionId.slice(0, 8);
 await header();
 
-function send(frame) { ws.send(JSON.stringify(frame)); }
 function bubble(kind, text, id) {
   const node = el("div", { class: `msg ${kind}` }, text);
   if (id) node.dataset.id = id;
@@ -34,29 +44,136 @@ function logEvent(e) {
   }
 }
 
+// --- messages typed by the person: sent now, or when the connection is back ---------
+
+function savePending() {
+  sessionStorage.setItem(PENDING_KEY, JSON.stringify(pending.map(({ text, client_msg_id }) => ({ text, client_msg_id }))));
+}
+
+// Below the conversation, not in it: a pending message takes its place in the chat
+// when the log has it (it may come after answers the person has not seen yet).
+function showPending(item) {
+  item.node = el("div", { class: "msg user pending", title: "waiting to be sent" }, item.text);
+  item.node.dataset.clientMsgId = item.client_msg_id;
+  document.getElementById("outbox").append(item.node);
+}
+
+function flushPending() {
+  for (const item of pending) {
+    if (!item.sent) item.sent = conn.send({ type: "chat", text: item.text, client_msg_id: item.client_msg_id, ref: `chat:${item.client_msg_id}` });
+  }
+}
+
+function settlePending(clientMsgId) {
+  const i = pending.findIndex((p) => p.client_msg_id === clientMsgId);
+  if (i < 0) return;
+  pending[i].node.remove();
+  pending.splice(i, 1);
+  savePending();
+}
+
+// --- the turn in flight ----------------------------------------------------------
+
+function streamText(live) {
+  let text = "";
+  for (const deltas of live.turns.values()) {
+    for (const seq of [...deltas.keys()].sort((a, b) => a - b)) text += deltas.get(seq);
+  }
+  return text;
+}
+
+function liveBubble(cause) {
+  let live = streaming.get(cause);
+  if (live) return live;
+  // The consolidation turn after readiness is the brief being written.
+  const brief = kinds.get(cause) === "criativo.readiness_confirmed";
+  const body = el("span", { class: "text" });
+  const node = brief
+    ? el("div", { class: "brief-writing" }, el("strong", {}, "Writing the brief…"), el("p", {}, body))
+    : el("div", { class: "msg agent streaming" }, body);
+  chat.append(node);
+  live = { node, body, turns: new Map(), top: new Map() }; // top: highest seq per turn
+  streaming.set(cause, live);
+  return live;
+}
+
+function resetStop() {
+  Object.assign(stopButton, { hidden: true, disabled: false, textContent: "Stop" });
+}
+
+function endStream(cause) {
+  const live = streaming.get(cause);
+  streaming.delete(cause);
+  answered.add(cause);
+  if (streaming.size === 0) resetStop();
+  return live;
+}
+
+function onDelta(d) {
+  if (answered.has(d.message_id)) return;
+  const live = liveBubble(d.message_id);
+  const deltas = live.turns.get(d.turn_id) || new Map();
+  live.turns.set(d.turn_id, deltas);
+  if (deltas.has(d.seq)) return; // replayed after a reconnect
+  deltas.set(d.seq, d.text);
+  // The usual case, the next piece of the turn, costs one text node; a piece that fills
+  // a gap (missed while disconnected) has the whole text laid out again in order.
+  const top = live.top.get(d.turn_id) || 0;
+  live.top.set(d.turn_id, Math.max(top, d.seq));
+  const atEnd = [...live.turns.keys()].pop() === d.turn_id && d.seq === top + 1;
+  if (atEnd && deltas.size === d.seq) live.body.append(d.text);
+  else live.body.textContent = streamText(live);
+  lastTurn = d.turn_id;
+  stopButton.hidden = false;
+  chat.scrollTop = chat.scrollHeight;
+}
+
+// --- the log's events ------------------------------------------------------------
+
 function onEvent(e) {
+  if (e.seq <= lastSeq) return;
   lastSeq = e.seq;
+  kinds.set(e.id, e.type);
   logEvent(e);
   const p = e.payload;
   switch (e.type) {
-    case "chat.message": bubble("user", p.text, e.id); break;
+    case "chat.message":
+      if (p.client_msg_id) settlePending(p.client_msg_id);
+      bubble("user", p.text, e.id);
+      break;
     case "agent.response": {
-      const live = streaming.get(e.causation_id);
-      if (live) { live.textContent = p.text; live.classList.remove("streaming"); streaming.delete(e.causation_id); }
-      else if (p.text) bubble("agent", p.text, e.id);
+      const live = endStream(e.causation_id);
+      const node = live ? live.node : bubble("agent", "", e.id);
+      node.classList.remove("streaming");
+      node.dataset.id = e.id;
+      node.replaceChildren(el("span", { class: "text" }, p.text));
+      if (p.stopped) {
+        node.classList.add("stopped");
+        node.append(el("span", { class: "stopped-note" }, " (stopped)"));
+      }
+      if (!p.text && !p.stopped) node.remove();
       break;
     }
-    case "agent.error": bubble("agent-error", `${p.agent}: ${p.reason}`, e.id); break;
+    case "agent.error": {
+      const live = endStream(e.causation_id);
+      if (live) live.node.remove();
+      bubble("agent-error", `${p.agent}: ${p.reason}`, e.id);
+      break;
+    }
     case "artifact.business_rule":
       document.getElementById("rules").append(
         el("div", { class: "rule-card", "data-id": e.id }, el("strong", {}, p.title), el("p", {}, p.statement)));
       break;
-    case "artifact.product_brief":
-      chat.append(el("div", { class: "brief", "data-id": e.id }, el("strong", {}, `Brief: ${p.title}`), el("p", {}, p.summary)));
+    case "artifact.product_brief": {
+      const card = el("div", { class: "brief", "data-id": e.id }, el("strong", {}, `Brief: ${p.title}`), el("p", {}, p.summary));
+      const live = endStream(e.causation_id);
+      if (live) live.node.replaceWith(card);
+      else chat.append(card);
       break;
+    }
     case "handoff.offered": {
-      const accept = el("button", { onclick: () => send({ type: "accept_handoff", handoff_id: p.handoff_id }) }, "Accept");
-      const reject = el("button", { onclick: () => send({ type: "reject_handoff", handoff_id: p.handoff_id }) }, "Reject");
+      const accept = el("button", { onclick: () => act({ type: "accept_handoff", handoff_id: p.handoff_id }) }, "Accept");
+      const reject = el("button", { onclick: () => act({ type: "reject_handoff", handoff_id: p.handoff_id }) }, "Reject");
       chat.append(el("div", { class: "divider", id: `handoff-${p.handoff_id}` },
         `Handoff: ${p.from_agent} → ${p.to_agent} `, accept, " ", reject));
       break;
@@ -76,34 +193,78 @@ function onEvent(e) {
   }
 }
 
-function onDelta(d) {
-  let live = streaming.get(d.message_id);
-  if (!live) { live = bubble("agent streaming", ""); streaming.set(d.message_id, live); }
-  live.textContent += d.text;
-  chat.scrollTop = chat.scrollHeight;
+// --- the connection ----------------------------------------------------------------
+
+const STATES = { connecting: "connecting…", live: "live", refused: "not allowed: open the link `make up` printed" };
+const connState = document.getElementById("connection");
+
+function onFrame(f) {
+  if (f.type === "event") onEvent(f.event);
+  else if (f.type === "delta") onDelta(f);
+  else if (f.type === "ack") {
+    problem.textContent = "";
+    if (f.of === "chat" && f.client_msg_id && f.result && f.result.duplicate) settlePending(f.client_msg_id);
+  } else if (f.type === "error") {
+    const chatRef = (f.ref || "").startsWith("chat:") ? f.ref.slice(5) : null;
+    const item = chatRef && pending.find((p) => p.client_msg_id === chatRef);
+    // A refusal that a later try can pass (a flood, a service restarting): try again on
+    // the next connection; anything else is shown on the message, which stays visible.
+    if (item && ["rate_limited", "unavailable", "internal"].includes(f.code)) item.sent = false;
+    else if (item) {
+      item.node.classList.replace("pending", "failed");
+      item.node.title = `${f.code}: ${f.message}`;
+      pending.splice(pending.indexOf(item), 1);
+      savePending();
+    }
+    problem.textContent = `${f.code}: ${f.message}`;
+    stopButton.disabled = false; // a refused stop can be pressed again
+    stopButton.textContent = "Stop";
+  }
 }
 
-function connect() {
-  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws?token=${encodeURIComponent(token)}`);
-  ws.onopen = () => send({ type: "join", session_id: sessionId, after_seq: lastSeq });
-  ws.onmessage = (m) => {
-    const f = JSON.parse(m.data);
-    if (f.type === "event") onEvent(f.event);
-    else if (f.type === "delta") onDelta(f);
-    else if (f.type === "error") problem.textContent = `${f.code}: ${f.message}`;
-    else if (f.type === "ack") problem.textContent = "";
-  };
-  ws.onclose = (c) => { if (c.code !== 4401) setTimeout(connect, 1000); };
-}
-connect();
+const scheme = location.protocol === "https:" ? "wss" : "ws";
+const conn = new Connection({
+  url: `${scheme}://${location.host}/ws?token=${encodeURIComponent(token)}`,
+  join: () => ({ type: "join", session_id: sessionId, after_seq: lastSeq }),
+  onFrame,
+  onState: (state, seconds) => {
+    connState.dataset.state = state;
+    connState.textContent = state === "reconnecting" ? `reconnecting in ${seconds} s…` : STATES[state];
+  },
+  onOpen: flushPending,
+  // Unacknowledged messages are sent again on the next socket: harmless, the gateway
+  // appends a `client_msg_id` once.
+  onLost: () => { for (const item of pending) item.sent = false; },
+});
+window.agentbusConnection = conn; // for the browser tests, which drop it as a network would
+pending.forEach(showPending);
+conn.open();
 
-document.getElementById("start-criativo").onclick = () => send({ type: "start_agent", agent: "criativo" });
-document.getElementById("ready").onclick = () => send({ type: "confirm_readiness" });
-document.getElementById("close").onclick = () => send({ type: "close_session" });
+// Frames other than chat act on the state of the moment: not sent later, but never silently dropped.
+function act(frame) {
+  const sent = conn.send(frame);
+  if (!sent) problem.textContent = "not connected: try again once the connection is live";
+  return sent;
+}
+
+document.getElementById("start-criativo").onclick = () => act({ type: "start_agent", agent: "criativo" });
+document.getElementById("ready").onclick = () => act({ type: "confirm_readiness" });
+document.getElementById("close").onclick = () => act({ type: "close_session" });
+stopButton.onclick = () => {
+  if (!lastTurn) return;
+  // One press is enough: the stopped answer arrives as the turn's outcome and hides the button.
+  if (!act({ type: "stop_turn", turn_id: lastTurn })) return;
+  stopButton.disabled = true;
+  stopButton.textContent = "Stopping…";
+};
 document.getElementById("say").onsubmit = (ev) => {
   ev.preventDefault();
   const input = document.getElementById("text");
   if (!input.value.trim()) return;
-  send({ type: "chat", text: input.value, client_msg_id: crypto.randomUUID() });
+  const item = { text: input.value, client_msg_id: crypto.randomUUID(), sent: false };
+  pending.push(item);
+  savePending();
+  showPending(item);
   input.value = "";
+  flushPending();
 };

@@ -1,0 +1,68 @@
+// The page's WebSocket to the gateway, kept open: reconnects with a capped, jittered
+// exponential backoff (a fixed 1 s retry made every client of a restarted gateway come
+// back in the same second), says which state it is in, and re-joins the session from the
+// last `seq` the page holds, so nothing is missed and nothing is repeated.
+const CLOSE_UNAUTHORIZED = 4401; // the token was refused: retrying cannot help
+const FIRST_RETRY_MS = 500;
+const MAX_RETRY_MS = 10_000;
+// A socket that opens but never answers the join (a half-dead network or proxy) is
+// dropped and tried again, rather than left "connecting" for ever.
+const JOIN_TIMEOUT_MS = 10_000;
+
+export class Connection {
+  // onFrame(frame): every frame; onState(state, detail): "connecting" | "live" |
+  // "reconnecting" (detail: seconds until the next try) | "refused";
+  // onOpen(): a new socket is open and its join sent (send what waited for it);
+  // onLost(): the socket is gone (what was sent on it and not answered may be lost).
+  constructor({ url, join, onFrame, onState, onOpen, onLost }) {
+    Object.assign(this, { url, join, onFrame, onState, onOpen, onLost });
+    this.failures = 0;
+    this.ws = null;
+  }
+
+  open() {
+    this.onState("connecting");
+    const ws = new WebSocket(this.url);
+    this.ws = ws;
+    // The gateway carries out one connection's frames in order, so whatever is sent
+    // after the join acts in the joined session, even before the join's ack arrives.
+    let joinTimer = null;
+    ws.onopen = () => {
+      ws.send(JSON.stringify({ ...this.join(), ref: "join" }));
+      joinTimer = setTimeout(() => ws.close(), JOIN_TIMEOUT_MS);
+      this.onOpen();
+    };
+    ws.onmessage = (m) => {
+      const frame = JSON.parse(m.data);
+      if (frame.type === "ack" && frame.of === "join") {
+        clearTimeout(joinTimer);
+        this.failures = 0;
+        this.onState("live");
+      }
+      this.onFrame(frame);
+    };
+    ws.onclose = (c) => {
+      clearTimeout(joinTimer);
+      if (this.ws !== ws) return; // an old socket closing late
+      this.onLost();
+      if (c.code === CLOSE_UNAUTHORIZED) { this.onState("refused"); return; }
+      const ceiling = Math.min(MAX_RETRY_MS, FIRST_RETRY_MS * 2 ** this.failures);
+      const wait = ceiling / 2 + Math.random() * (ceiling / 2);
+      this.failures += 1;
+      this.onState("reconnecting", Math.ceil(wait / 1000));
+      setTimeout(() => this.open(), wait);
+    };
+  }
+
+  // Whether a frame can go now; a caller with something that must not be lost queues it.
+  get live() { return this.ws !== null && this.ws.readyState === WebSocket.OPEN; }
+
+  send(frame) {
+    if (!this.live) return false;
+    this.ws.send(JSON.stringify(frame));
+    return true;
+  }
+
+  // Drop the socket as a network would (tests, and a "reconnect now" for the person).
+  drop() { if (this.ws) this.ws.close(); }
+}
