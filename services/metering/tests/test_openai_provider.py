@@ -183,6 +183,28 @@ async def test_arguments_that_are_not_json_reach_the_tool_as_they_came(fake: Fak
     ]
 
 
+async def test_a_tool_name_that_cannot_exist_is_a_provider_error_not_a_crash(
+    fake: FakeChatApi,
+) -> None:
+    fake.replies.append(
+        Reply(
+            chunks=[
+                *tool_call_chunks(0, "call_1", "emit artifact!", ["{}"]),
+                finish("tool_calls"),
+                usage_chunk(40, 9),
+            ]
+        )
+    )
+    sleeps, progress = Sleeps(), Progress()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, None)
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert sleeps.delays == []  # not retried: the answer was given, and billed
+    assert progress.usage == TokenUsage(input_tokens=40, output_tokens=9)
+
+
 def test_tool_blocks_and_tools_are_translated_to_chat_completions() -> None:
     request = ProviderRequest(
         model=LOCAL,

@@ -34,6 +34,7 @@ import httpx2
 from openai import APIConnectionError, APIError, APIStatusError, AsyncOpenAI
 from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionChunk
+from pydantic import ValidationError
 
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
@@ -272,8 +273,17 @@ class OpenAICompatibleProvider:
         while True:
             try:
                 reply = await self._stream(params, progress, on_text)
+                try:
+                    content = reply.content()
+                except ValidationError as exc:
+                    # A small model can name a tool that cannot exist; the reply cannot
+                    # be handed to the harness, and retrying would bill it again.
+                    raise ProviderError(
+                        ErrorCode.PROVIDER_ERROR,
+                        f"the model's reply does not fit the harness's blocks: {exc}"[:500],
+                    ) from exc
                 return ProviderReply(
-                    content=reply.content(),
+                    content=content,
                     stop_reason=STOP_REASONS.get(reply.finish_reason or "", reply.finish_reason)
                     or "end_turn",
                     model=request.model,
