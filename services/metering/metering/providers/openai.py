@@ -176,12 +176,10 @@ class _Reply:
     text: list[str] = field(default_factory=list)
     calls: dict[int, _ToolCall] = field(default_factory=dict)
     finish_reason: str | None = None
-    model: str | None = None
     usage: CompletionUsage | None = None
 
     def add(self, chunk: ChatCompletionChunk) -> str | None:
         """Take one chunk in; returns its text, if any."""
-        self.model = self.model or chunk.model
         if chunk.usage is not None:
             self.usage = chunk.usage
         piece: list[str] = []
