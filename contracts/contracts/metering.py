@@ -19,7 +19,8 @@ from contracts.common import TEXT_CHECK, AgentSlug, Int64, JsonObject, Message, 
 # a turn is one provider call and the key its usage row is idempotent on.
 RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$"), TEXT_CHECK]
 TurnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$"), TEXT_CHECK]
-ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,128}$"), TEXT_CHECK]
+# A `/` is allowed for the names OpenAI-compatible servers use (`Qwen/Qwen2.5-7B-Instruct`).
+ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$"), TEXT_CHECK]
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$"), TEXT_CHECK]
 ToolUseId = Annotated[str, StringConstraints(min_length=1, max_length=128), TEXT_CHECK]
 # Deltas may only go where a client of the bus listens for them: a session's
@@ -36,6 +37,10 @@ DeltaSubject = Annotated[
 MAX_OUTPUT_TOKENS = 64_000
 UsageStatus = Literal["ok", "error", "cancelled"]
 BindingScope = Literal["session", "agent", "project", "workspace"]
+# Who serves a binding's model: `anthropic`, `openai` (any OpenAI-compatible server:
+# Ollama, vLLM, LM Studio) or `scripted`. A binding that names none is served by the
+# provider metering is configured with (`AGENTBUS_PROVIDER`).
+ProviderName = Literal["anthropic", "openai", "scripted"]
 
 
 class TextBlock(Message):
@@ -178,7 +183,8 @@ class SetBinding(Message):
 
     `model: null` removes the binding at that level. Levels and their keys:
     `session` (session_id), `agent` (agent_slug, optionally within project_id),
-    `project` (project_id), `workspace` (none).
+    `project` (project_id), `workspace` (none). `provider` names who serves the model
+    (none: metering's configured provider).
     """
 
     scope: BindingScope
@@ -186,6 +192,7 @@ class SetBinding(Message):
     agent_slug: AgentSlug | None = None
     session_id: UUID | None = None
     model: ModelName | None
+    provider: ProviderName | None = None
 
 
 class Binding(Message):
@@ -197,6 +204,7 @@ class Binding(Message):
     session_id: UUID | None = None
     model: ModelName
     updated_at: datetime | None = None
+    provider: ProviderName | None = None
 
 
 class BindingSetReply(Message):

@@ -9,7 +9,7 @@ from pydantic import Field
 from metering.cancels import DEFAULT_TTL_SECONDS, Cancellations
 from metering.catalog import Catalog
 from metering.handlers import SERVICE, build_endpoints
-from metering.providers.base import Provider
+from metering.providers.base import Provider, Providers
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
 from metering.repository import MeteringRepository
 from metering.sweeper import run_sweeper
@@ -25,8 +25,10 @@ log = get_logger(__name__)
 class MeteringSettings(ServiceSettings):
     """Metering's own knobs (`AGENTBUS_PROVIDER`, `AGENTBUS_SCRIPT_PATH`, …).
 
-    `ANTHROPIC_API_KEY` and `ANTHROPIC_BASE_URL` are read unprefixed, as the SDK
-    names them.
+    `ANTHROPIC_API_KEY`, `ANTHROPIC_BASE_URL`, `OPENAI_BASE_URL` and `OPENAI_API_KEY` are
+    read unprefixed, as the SDKs name them. The `openai` provider (any OpenAI-compatible
+    server) is configured when either OpenAI variable is set, and serves the bindings
+    that name it; `AGENTBUS_PROVIDER` serves the others.
     """
 
     # auto: `anthropic` when ANTHROPIC_API_KEY is set, `scripted` otherwise.
@@ -34,6 +36,8 @@ class MeteringSettings(ServiceSettings):
     script_path: str | None = None
     anthropic_api_key: str | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
     anthropic_base_url: str | None = Field(default=None, validation_alias="ANTHROPIC_BASE_URL")
+    openai_api_key: str | None = Field(default=None, validation_alias="OPENAI_API_KEY")
+    openai_base_url: str | None = Field(default=None, validation_alias="OPENAI_BASE_URL")
     provider_max_retries: int = 4
     provider_timeout_seconds: float = 600.0
     # Safety net behind the change announcements: the longest a replica's cache is stale.
@@ -77,6 +81,22 @@ def build_provider(settings: MeteringSettings, script: Script | None = None) -> 
     return ScriptedProvider(script)
 
 
+def build_providers(settings: MeteringSettings, default: Provider) -> Providers:
+    """`default` and, when configured, the OpenAI-compatible provider beside it."""
+    if not (settings.openai_base_url or settings.openai_api_key):
+        return Providers(default)
+    from metering.providers.openai import OpenAICompatibleProvider
+
+    log.info("provider_openai", base_url=settings.openai_base_url or "SDK default")
+    openai = OpenAICompatibleProvider(
+        api_key=settings.openai_api_key,
+        base_url=settings.openai_base_url,
+        max_retries=settings.provider_max_retries,
+        timeout=settings.provider_timeout_seconds,
+    )
+    return Providers(default, openai)
+
+
 async def main(
     settings: MeteringSettings | None = None,
     provider: Provider | None = None,
@@ -85,7 +105,7 @@ async def main(
     """Serve metering's commands until stopped (tests pass their own provider, and the
     cancels they watch, here)."""
     settings = settings or MeteringSettings()
-    provider = provider or build_provider(settings)
+    providers = build_providers(settings, provider or build_provider(settings))
     cancels = cancels or Cancellations(settings.cancel_memory_seconds)
     async with open_runtime(SERVICE, SCHEMA, ["metering.migrations"], settings) as rt:
         repo = MeteringRepository(rt.pool)
@@ -100,7 +120,7 @@ async def main(
         )
         # Listening before serving: a replica hears every cancel of the streams it runs.
         cancel_sub = await cancels.subscribe(rt.nc)
-        runner = TurnRunner(repo, catalog, provider, rt.nc, cancels)
+        runner = TurnRunner(repo, catalog, providers, rt.nc, cancels)
         endpoints = build_endpoints(repo, catalog, runner, rt.nc)
         service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)
         try:
@@ -111,7 +131,7 @@ async def main(
             # stream of a replica that is shutting down (another replica serves the cancel).
             await endpoints.drain()
             await cancel_sub.unsubscribe()
-            await provider.close()
+            await providers.close()
 
 
 def run() -> None:

@@ -61,6 +61,13 @@ def build_endpoints(
     @api.command(subjects.BINDINGS_SET, SetBinding)
     async def set_binding(cmd: SetBinding) -> BindingSetReply:
         check_binding(cmd)
+        if runner.providers.get(cmd.provider) is None:
+            raise DomainError(
+                ErrorCode.INVALID_BINDING,
+                f"provider {cmd.provider} is not configured on metering (it has "
+                f"{', '.join(runner.providers.names)}); set OPENAI_BASE_URL for `openai`",
+                provider=cmd.provider,
+            )
         if cmd.model is not None and not catalog.knows(cmd.model, datetime.now(UTC).date()):
             raise DomainError(
                 ErrorCode.UNKNOWN_MODEL,

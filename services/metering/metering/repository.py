@@ -23,7 +23,7 @@ from contracts.metering import (
 from domain.metering import Price, RunBudget
 from servicekit.db import Connection
 
-BINDING_COLUMNS = "scope, project_id, agent_slug, session_id, model, updated_at"
+BINDING_COLUMNS = "scope, project_id, agent_slug, session_id, model, updated_at, provider"
 
 
 @dataclass(frozen=True)
@@ -239,10 +239,12 @@ class MeteringRepository:
             if cmd.model is None:
                 return None
             row = await conn.fetchrow(
-                f"""INSERT INTO bindings (scope, project_id, agent_slug, session_id, model)
-                    VALUES ($1, $2, $3, $4, $5) RETURNING {BINDING_COLUMNS}""",
+                f"""INSERT INTO bindings (scope, project_id, agent_slug, session_id, model,
+                                         provider)
+                    VALUES ($1, $2, $3, $4, $5, $6) RETURNING {BINDING_COLUMNS}""",
                 *keys,
                 cmd.model,
+                cmd.provider,
             )
             assert row is not None
             return _binding(row)

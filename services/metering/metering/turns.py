@@ -44,6 +44,7 @@ from metering.providers.base import (
     ProviderError,
     ProviderReply,
     ProviderRequest,
+    Providers,
 )
 from metering.repository import EndedTurn, MeteringRepository, UsageRecord
 from servicekit.endpoint import UNAVAILABLE_ERRORS
@@ -148,20 +149,21 @@ def _stopped(publisher: DeltaPublisher | None) -> bool:
 
 
 class TurnRunner:
-    """Runs metered turns against one provider."""
+    """Runs metered turns, each against the provider its binding names."""
 
     def __init__(
         self,
         repo: MeteringRepository,
         catalog: Catalog,
-        provider: Provider,
+        providers: Providers | Provider,
         nc: Client,
         cancels: Cancellations | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._repo = repo
         self._catalog = catalog
-        self._provider = provider
+        # One provider alone serves every binding (as before bindings named providers).
+        self.providers = providers if isinstance(providers, Providers) else Providers(providers)
         self._nc = nc
         self.cancels = cancels or Cancellations()
         self._clock = clock
@@ -170,6 +172,7 @@ class TurnRunner:
         """Answer `cmd.llm.turn` / `cmd.llm.stream` (an `LlmStream` streams its deltas)."""
         started = self._clock()
         binding = self._catalog.resolve(cmd.agent_slug, cmd.project_id, cmd.session_id)
+        provider = self._provider_of(binding.provider)
         price = self._catalog.price(binding.model, datetime.fromtimestamp(started, UTC).date())
         input_estimate = estimate_input_tokens(prompt_bytes(cmd), len(cmd.messages))
         hold = worst_case_micros(input_estimate, cmd.max_tokens, price)
@@ -200,7 +203,7 @@ class TurnRunner:
         )
         progress = Progress()
         stream = isinstance(cmd, LlmStream)
-        outcome = await self._call(cmd, request, progress)
+        outcome = await self._call(provider, cmd, request, progress)
         reply, status, error = outcome.reply, outcome.status, outcome.error
 
         usage = progress.usage
@@ -220,7 +223,7 @@ class TurnRunner:
             turn_id=cmd.turn_id,
             run_id=cmd.run_id,
             kind="stream" if stream else "turn",
-            provider=self._provider.name,
+            provider=provider.name,
             model=binding.model,
             agent_slug=cmd.agent_slug,
             project_id=cmd.project_id,
@@ -245,16 +248,29 @@ class TurnRunner:
         assert answer is not None
         return answer.model_copy(update={"budget_remaining_micros": remaining})
 
-    async def _call(self, cmd: LlmTurn, request: ProviderRequest, progress: Progress) -> Outcome:
+    def _provider_of(self, name: str | None) -> Provider:
+        provider = self.providers.get(name)
+        if provider is None:
+            raise DomainError(
+                ErrorCode.PROVIDER_ERROR,
+                f"the binding names provider {name}, which this metering is not configured "
+                f"for (it has {', '.join(self.providers.names)}); configure it or rebind",
+                provider=name,
+            )
+        return provider
+
+    async def _call(
+        self, provider: Provider, cmd: LlmTurn, request: ProviderRequest, progress: Progress
+    ) -> Outcome:
         """Call the provider. A stream's call runs in a task of its own, registered with
         the cancels, so that `cmd.llm.cancel` can abort it without touching this one."""
         if not isinstance(cmd, LlmStream):
-            call = self._provider.complete(request, progress, None)
+            call = provider.complete(request, progress, None)
             outcome = await self._outcome(call, None, cmd.turn_id)
             assert outcome is not None  # only a stream can be stopped
             return outcome
         publisher = DeltaPublisher(self._nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id)
-        task = asyncio.ensure_future(self._provider.complete(request, progress, publisher))
+        task = asyncio.ensure_future(provider.complete(request, progress, publisher))
         # A cancel heard before this point stops the task here, before its first step:
         # the provider is then never called.
         publisher.running = self.cancels.start(cmd.turn_id, cmd.project_id, cmd.session_id, task)

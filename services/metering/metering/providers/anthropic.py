@@ -33,14 +33,21 @@ from anthropic.types import MessageDeltaUsage, Usage
 
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
-from metering.providers.base import OnText, Progress, ProviderError, ProviderReply, ProviderRequest
+from metering.providers.base import (
+    MAX_RETRY_AFTER_SECONDS,
+    OnText,
+    Progress,
+    ProviderError,
+    ProviderReply,
+    ProviderRequest,
+    estimate_output_tokens,
+    retry_after,
+)
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
 
 EPHEMERAL = {"type": "ephemeral"}
-# A server asking for a longer wait than this is answered with an error now.
-MAX_RETRY_AFTER_SECONDS = 60.0
 RETRYABLE_TYPES = {"overloaded_error", "rate_limit_error", "api_error"}
 
 
@@ -69,22 +76,6 @@ def with_delta(current: TokenUsage, delta: MessageDeltaUsage) -> TokenUsage:
             delta.cache_creation_input_tokens - current.cache_write_1h_tokens
         )
     return current.model_copy(update=update)
-
-
-# Characters per output token assumed when a stream is cut before its usage arrives.
-CHARS_PER_TOKEN = 4
-
-
-def estimate_output_tokens(text_events: int, chars: int) -> int:
-    """Output tokens of a stream cut short, from the text received.
-
-    The API reports output usage in `message_delta`, in practice only at the end, so a
-    stream aborted mid-way (a cancel, a dropped connection) never hears its count. It is
-    estimated, rounding up: one token per `CHARS_PER_TOKEN` characters, and never fewer
-    than one per text event (each text delta carries at least one token). The text of a
-    tool call's JSON is not counted: it is under-billed, never over-billed.
-    """
-    return max(text_events, -(-chars // CHARS_PER_TOKEN))
 
 
 def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
@@ -127,20 +118,6 @@ def _content(message: SdkMessage) -> list[ReplyBlock]:
         elif block.type == "tool_use":
             blocks.append(ToolUseBlock(id=block.id, name=block.name, input=dict(block.input)))
     return blocks
-
-
-def retry_after(headers: Any) -> float | None:
-    """The wait the server asked for, in seconds (`retry-after-ms` wins, as in the SDK)."""
-    if headers is None:
-        return None
-    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
-        raw = headers.get(name)
-        if raw is not None:
-            try:
-                return max(float(raw) / scale, 0.0)
-            except ValueError:
-                continue
-    return None
 
 
 def _error_type(exc: APIStatusError) -> str | None:

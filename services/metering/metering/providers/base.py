@@ -11,9 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from contracts.metering import ChatMessage, ReplyBlock, TokenUsage, ToolSpec
+
+# A server asking for a longer wait than this is answered with an error now.
+MAX_RETRY_AFTER_SECONDS = 60.0
 
 # Awaited with each piece of text as the provider produces it, and the time it did;
 # awaited in order, so deltas are published in the order they were produced.
@@ -87,7 +90,7 @@ class ProviderError(Exception):
 
 
 class Provider(Protocol):
-    """An LLM behind metering: `anthropic` or `scripted`."""
+    """An LLM behind metering: `anthropic`, `openai` (OpenAI-compatible) or `scripted`."""
 
     name: str
 
@@ -100,3 +103,57 @@ class Provider(Protocol):
     async def close(self) -> None:
         """Release connections."""
         ...
+
+
+# Characters per output token assumed when a stream is cut before its usage arrives.
+CHARS_PER_TOKEN = 4
+
+
+def estimate_output_tokens(text_events: int, chars: int) -> int:
+    """Output tokens of a stream cut short, from the text received.
+
+    Providers report output usage only at the end (Anthropic in its last `message_delta`,
+    an OpenAI-compatible server in the usage chunk before `[DONE]`), so a stream aborted
+    mid-way (a cancel, a dropped connection) never hears its count. It is estimated,
+    rounding up: one token per `CHARS_PER_TOKEN` characters, and never fewer than one per
+    text event (each text delta carries at least one token). The text of a tool call's
+    JSON is not counted: it is under-billed, never over-billed.
+    """
+    return max(text_events, -(-chars // CHARS_PER_TOKEN))
+
+
+def retry_after(headers: Any) -> float | None:
+    """The wait the server asked for, in seconds (`retry-after-ms` wins, as in the SDK)."""
+    if headers is None:
+        return None
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        raw = headers.get(name)
+        if raw is not None:
+            try:
+                return max(float(raw) / scale, 0.0)
+            except ValueError:
+                continue
+    return None
+
+
+class Providers:
+    """The providers one replica can call: the configured default, which serves every
+    binding that names no provider, and the others configured beside it, which serve the
+    bindings that name them (issue 16: a binding names provider and model)."""
+
+    def __init__(self, default: Provider, *others: Provider) -> None:
+        self.default = default
+        self._by_name = {p.name: p for p in others}
+        self._by_name.setdefault(default.name, default)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def get(self, name: str | None) -> Provider | None:
+        """The provider a binding names (None: the default), or None when not configured."""
+        return self.default if name is None else self._by_name.get(name)
+
+    async def close(self) -> None:
+        for provider in {id(p): p for p in self._by_name.values()}.values():
+            await provider.close()
