@@ -19,7 +19,7 @@ from servicekit.testing import wait_for
 
 def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "servicekit.cli", *args],
+        [sys.executable, "-m", "devstack", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -49,7 +49,7 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
 ) -> None:
     log = (tmp_path / "up.log").open("w")
     up = subprocess.Popen(
-        [sys.executable, "-m", "servicekit.cli", "up"],
+        [sys.executable, "-m", "devstack", "up"],
         env=stack_env,
         stdout=log,
         stderr=subprocess.STDOUT,

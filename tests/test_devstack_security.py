@@ -26,7 +26,7 @@ from servicekit.testing import wait_for
 
 def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "servicekit.cli", *args],
+        [sys.executable, "-m", "devstack", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -54,7 +54,7 @@ def stack_env(tmp_path: Path) -> dict[str, str]:
 def stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[dict[str, str]]:
     log = (tmp_path / "up.log").open("w")
     up = subprocess.Popen(
-        [sys.executable, "-m", "servicekit.cli", "up"],
+        [sys.executable, "-m", "devstack", "up"],
         env=stack_env,
         stdout=log,
         stderr=subprocess.STDOUT,
