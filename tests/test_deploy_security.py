@@ -107,7 +107,7 @@ def own_secret(user: str) -> dict[str, Any]:
     return {"secretKeyRef": {"name": "agentbus-nats", "key": password_variable(user)}}
 
 
-@pytest.mark.parametrize("service", [s for s in SERVICES if s != "gateway"])
+@pytest.mark.parametrize("service", SERVICES)
 def test_each_k8s_service_connects_as_itself(service: str) -> None:
     [deployment] = [
         d for d in k8s_documents(f"{service.replace('_', '-')}.yaml") if d["kind"] == "Deployment"
