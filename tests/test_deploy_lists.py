@@ -36,9 +36,7 @@ def entry_modules() -> dict[str, str]:
 
 
 def compose_services() -> dict[str, Any]:
-    services: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())[
-        "services"
-    ]
+    services: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     return {name: s for name, s in services.items() if name not in COMPOSE_INFRASTRUCTURE}
 
 
