@@ -36,10 +36,11 @@ chromium: ## Debian's chromium for the browser test (apt-get, only when it is mi
 test: setup chromium ## run every test against real NATS and Postgres (embedded unless URLs are set)
 	$(RUN) pytest
 
-lint: setup ## ruff (lint + format check) and mypy --strict
+lint: setup ## ruff (lint + format check), mypy --strict and the import layers (import-linter)
 	$(RUN) ruff check .
 	$(RUN) ruff format --check .
 	$(RUN) mypy libs contracts services
+	$(RUN) lint-imports
 
 format: setup ## apply ruff's fixes and formatting
 	$(RUN) ruff check --fix .
@@ -56,4 +57,4 @@ nats-config: setup ## regenerate the NATS users of docker-compose and deploy/k8s
 	$(RUN) agentbus nats-config --write
 
 clean: ## remove the virtualenvs and the local state (.agentbus: the embedded servers' data)
-	rm -rf .venv .tools .agentbus
+	rm -rf .venv .tools .agentbus .import_linter_cache
