@@ -10,6 +10,7 @@ one left in another, a container running another module than the entry point nam
 from __future__ import annotations
 
 import importlib.util
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,27 @@ def test_the_web_services_have_a_k8s_service_for_their_port() -> None:
         docs = yaml.safe_load_all((K8S / f"{dns_name(name)}.yaml").read_text())
         services = [d for d in docs if d and d["kind"] == "Service"]
         assert [s["metadata"]["name"] for s in services] == [dns_name(name)]
+
+
+def test_the_root_tooling_covers_every_service_package() -> None:
+    # The workspace root installs, type-checks and layer-checks the services by name;
+    # a service package left out of one of those lists would escape that check.
+    root = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    modules = entry_modules()
+    packages = {
+        tomllib.loads(p.read_text())["project"]["name"]: p.parent
+        for p in (ROOT / "services").glob("*/pyproject.toml")
+    }
+    layers, independent, forbidden = root["tool"]["importlinter"]["contracts"]
+    services_layer = {name.strip() for name in layers["layers"][1].split("|")}
+
+    assert {path.name for path in packages.values()} == set(modules.values())
+    assert set(packages) <= set(root["project"]["dependencies"])
+    assert set(packages) <= set(root["tool"]["uv"]["sources"])
+    for module in modules.values():
+        assert f"services/{module}" in root["tool"]["mypy"]["mypy_path"], module
+        assert module in root["tool"]["ruff"]["lint"]["isort"]["known-first-party"], module
+        assert module in root["tool"]["importlinter"]["root_packages"], module
+        assert module in services_layer, module
+    assert set(independent["modules"]) == set(modules.values())
+    assert set(forbidden["forbidden_modules"]) == set(modules.values())
