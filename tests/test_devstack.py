@@ -150,8 +150,7 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         # Criativo's plain chat may already have answered the message (seq 3).
         assert [e["seq"] for e in json.loads(listed.stdout)["events"]][:2] == [1, 2]
 
-        everything = [up, *psutil.Process(up.pid).children(recursive=True)]
-        pids = [p.pid for p in everything]
+        pids = [up.pid, *(p.pid for p in psutil.Process(up.pid).children(recursive=True))]
         down = agentbus("down", env=stack_env)
         assert down.stdout.strip() == "stopped"
         assert up.wait(30) == 0
