@@ -48,3 +48,30 @@ def test_the_same_process_without_the_extra_distribution_is_accepted(tmp_path: P
 
     assert result.returncode == 0, result.stderr
     assert "session_events" in result.stdout
+
+
+def test_token_links_to_the_web_service_found_by_its_entry_point(tmp_path: Path) -> None:
+    import jwt
+
+    secret = "a-test-secret-for-the-token-command-0123456789"
+    env = {
+        **os.environ,
+        "AGENTBUS_STATE_DIR": str(tmp_path),
+        "AGENTBUS_GATEWAY_SECRET": secret,
+        "AGENTBUS_GATEWAY_PORT": "18480",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "devstack", "token", "demo", "--user", "alice"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert result.returncode == 0, result.stderr
+    link = result.stdout.strip()
+    assert link.startswith("http://127.0.0.1:18480/?token=")
+    claims = jwt.decode(
+        link.split("token=", 1)[1], secret, algorithms=["HS256"], audience="agentbus-gateway"
+    )
+    assert (claims["prj"], claims["sub"]) == ("demo", "alice")
