@@ -5,6 +5,13 @@ PYTHON ?= python3
 UV := .tools/bin/uv
 RUN := $(UV) run --frozen
 
+# mypy --strict on the tests as well, one folder per run: each package's tests/ is a
+# top-level `tests` of its own, and they would clash in a single run. These folders are
+# not checked yet: their errors (issue 15) are in files being reworked on other branches.
+MYPY_TESTS_PENDING := services/criativo/tests services/handoff/tests \
+	services/metering/tests services/psychologist/tests
+MYPY_TESTS := $(filter-out $(MYPY_TESTS_PENDING),$(wildcard contracts/tests libs/*/tests services/*/tests tests))
+
 .DEFAULT_GOAL := help
 .PHONY: help setup up down test lint format bench asyncapi nats-config clean chromium
 
@@ -36,10 +43,12 @@ chromium: ## Debian's chromium for the browser test (apt-get, only when it is mi
 test: setup chromium ## run every test against real NATS and Postgres (embedded unless URLs are set)
 	$(RUN) pytest
 
-lint: setup ## ruff (lint + format check) and mypy --strict
+lint: setup ## ruff (lint + format check), mypy --strict (code and tests), import layers
 	$(RUN) ruff check .
 	$(RUN) ruff format --check .
 	$(RUN) mypy libs contracts services
+	@for d in $(MYPY_TESTS); do echo "mypy $$d"; $(RUN) mypy $$d/*.py || exit 1; done
+	$(RUN) lint-imports
 
 format: setup ## apply ruff's fixes and formatting
 	$(RUN) ruff check --fix .
@@ -56,4 +65,4 @@ nats-config: setup ## regenerate the NATS users of docker-compose and deploy/k8s
 	$(RUN) agentbus nats-config --write
 
 clean: ## remove the virtualenvs and the local state (.agentbus: the embedded servers' data)
-	rm -rf .venv .tools .agentbus
+	rm -rf .venv .tools .agentbus .import_linter_cache

@@ -70,7 +70,7 @@ def servers(prefix: str = "agentbus-bench-") -> Iterator[Servers]:
             pg_url = pg_server.url
         # Services only check the streams (issue 11): provision them as `make up` does.
         subprocess.run(
-            [sys.executable, "-m", "servicekit.cli", "provision"],
+            [sys.executable, "-m", "devstack", "provision"],
             env={**os.environ, "NATS_URL": nats_url},
             check=True,
             capture_output=True,

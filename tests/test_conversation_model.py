@@ -166,7 +166,7 @@ async def settle(nc: Client, run: Run) -> None:
 
     async def idle() -> bool:
         info = await js.consumer_info("EVENTS", "criativo-inputs")
-        return info.num_pending == 0 and info.num_ack_pending == 0
+        return bool(info.num_pending == 0 and info.num_ack_pending == 0)
 
     await wait_for(idle, timeout=30, what="criativo's inputs all handled")
 

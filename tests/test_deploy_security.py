@@ -29,7 +29,7 @@ DEPLOYED_USERS = [u for u in USERS if u != ADMIN]  # no unrestricted user outsid
 
 def generated_auth() -> str:
     return subprocess.run(
-        [sys.executable, "-m", "servicekit.cli", "nats-config"],
+        [sys.executable, "-m", "devstack", "nats-config"],
         capture_output=True,
         text=True,
         check=True,
@@ -107,7 +107,7 @@ def own_secret(user: str) -> dict[str, Any]:
     return {"secretKeyRef": {"name": "agentbus-nats", "key": password_variable(user)}}
 
 
-@pytest.mark.parametrize("service", [s for s in SERVICES if s != "gateway"])
+@pytest.mark.parametrize("service", SERVICES)
 def test_each_k8s_service_connects_as_itself(service: str) -> None:
     [deployment] = [
         d for d in k8s_documents(f"{service.replace('_', '-')}.yaml") if d["kind"] == "Deployment"
@@ -127,7 +127,7 @@ def test_k8s_provisions_the_streams_in_a_job_as_the_provision_user() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
 
     assert job["kind"] == "Job"
-    assert container["args"] == ["servicekit.cli", "provision"]
+    assert container["args"] == ["devstack", "provision"]
     assert env["NATS_USER"] == "provision"
     assert env["NATS_PASSWORD"] == own_secret("provision")
     assert env["AGENTBUS_STREAM_REPLICAS"] == "3"
@@ -147,7 +147,7 @@ def test_compose_gives_each_service_its_own_user_and_provisions_first() -> None:
         assert env["NATS_PASSWORD"].startswith(f"${{{password_variable(service)}:?"), name
         assert spec["depends_on"]["provision"]["condition"] == "service_completed_successfully"
     provision = services["provision"]
-    assert provision["command"] == ["servicekit.cli", "provision"]
+    assert provision["command"] == ["devstack", "provision"]
     assert provision["environment"]["NATS_USER"] == "provision"
     nats_env = services["nats"]["environment"]
     assert set(nats_env) == {password_variable(u) for u in DEPLOYED_USERS}
@@ -155,7 +155,7 @@ def test_compose_gives_each_service_its_own_user_and_provisions_first() -> None:
 
 
 def test_make_nats_config_rewrites_both_blocks_in_place(tmp_path: Path) -> None:
-    from servicekit.natsconf import COMPOSE_AUTH, K8S_NATS, write_deployed_auth
+    from devstack.deployed import COMPOSE_AUTH, K8S_NATS, write_deployed_auth
 
     for rel in (COMPOSE_AUTH, K8S_NATS):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from servicekit.testing import wait_for
 
 def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "servicekit.cli", *args],
+        [sys.executable, "-m", "devstack", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -49,7 +49,7 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
 ) -> None:
     log = (tmp_path / "up.log").open("w")
     up = subprocess.Popen(
-        [sys.executable, "-m", "servicekit.cli", "up"],
+        [sys.executable, "-m", "devstack", "up"],
         env=stack_env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -150,8 +150,7 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         # Criativo's plain chat may already have answered the message (seq 3).
         assert [e["seq"] for e in json.loads(listed.stdout)["events"]][:2] == [1, 2]
 
-        everything = [up, *psutil.Process(up.pid).children(recursive=True)]
-        pids = [p.pid for p in everything]
+        pids = [up.pid, *(p.pid for p in psutil.Process(up.pid).children(recursive=True))]
         down = agentbus("down", env=stack_env)
         assert down.stdout.strip() == "stopped"
         assert up.wait(30) == 0

@@ -26,7 +26,7 @@ from servicekit.testing import wait_for
 
 def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "servicekit.cli", *args],
+        [sys.executable, "-m", "devstack", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -36,7 +36,7 @@ def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 @pytest.fixture
 def stack_env(tmp_path: Path) -> dict[str, str]:
-    unset = ("NATS_URL", "DATABASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
+    unset: tuple[str, ...] = ("NATS_URL", "DATABASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
     unset += ("NATS_USER", "NATS_PASSWORD", "AGENTBUS_NATS_SECRETS_FILE")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     with socket.socket() as probe:
@@ -54,7 +54,7 @@ def stack_env(tmp_path: Path) -> dict[str, str]:
 def stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[dict[str, str]]:
     log = (tmp_path / "up.log").open("w")
     up = subprocess.Popen(
-        [sys.executable, "-m", "servicekit.cli", "up"],
+        [sys.executable, "-m", "devstack", "up"],
         env=stack_env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -112,7 +112,7 @@ async def test_make_up_accepts_only_its_users_each_service_as_itself(
         inbox = ops.new_inbox()
         sub = await ops.subscribe(inbox)
         await ops.publish("$SRV.PING", b"", reply=inbox)
-        names = set()
+        names: set[str] = set()
         while len(names) < len(SERVICES):
             msg = await sub.next_msg(timeout=10)
             names.add(json.loads(msg.data)["name"])

@@ -90,7 +90,10 @@ def _sample(tp: Any, metadata: list[Any]) -> Any:
     if tp is bool:
         return False
     if tp is int:
-        low = max([m.ge for m in metadata if isinstance(m, annotated_types.Ge)] + [1])
+        low = max(
+            [m.ge for m in metadata if isinstance(m, annotated_types.Ge) and isinstance(m.ge, int)]
+            + [1]
+        )
         return low
     if tp is float:
         return 1.0

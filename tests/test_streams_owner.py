@@ -45,7 +45,7 @@ async def agentbus(servers: Servers, user: str, *args: str, database_url: str = 
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "servicekit.cli",
+        "devstack",
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,

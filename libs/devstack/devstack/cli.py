@@ -28,8 +28,8 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
-from servicekit.bus import Credentials, identity_options
-from servicekit.devstack import (
+from devstack.services import web_links
+from devstack.stack import (
     embedded_credentials,
     env_credentials,
     provision,
@@ -38,6 +38,7 @@ from servicekit.devstack import (
     secrets_file,
     stop_stack,
 )
+from servicekit.bus import Credentials, identity_options
 from servicekit.logs import configure_logging
 from servicekit.permissions import ADMIN, PROVISION, USERS, inbox_prefix
 
@@ -167,7 +168,7 @@ def _database_url() -> str:
 
 
 async def _republish(session: str | None, since: str | None) -> int:
-    from servicekit.republish import republish
+    from devstack.republish import republish
 
     # As the log itself: `session_events` is the one user that publishes events.
     nc = await _connect("session_events")
@@ -179,6 +180,16 @@ async def _republish(session: str | None, since: str | None) -> int:
         f"republished {sent.published} events: {sent.stored} stored, "
         f"{sent.published - sent.stored} already in the stream (deduplicated)"
     )
+    return 0
+
+
+def _token(project: str, user: str) -> int:
+    """A link with a signed token, from the service that serves the web client."""
+    links = web_links()
+    if not links:
+        print("no installed service serves the web client (`agentbus.web`)", file=sys.stderr)
+        return 1
+    print(links[min(links)](project, user))
     return 0
 
 
@@ -236,11 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "call":
         return asyncio.run(_call(args.subject, args.json, args.timeout))
     if args.command == "token":
-        # Imported here: the gateway is a service built on servicekit, not part of it.
-        from gateway.auth import dev_link
-
-        print(dev_link(args.project, args.user))
-        return 0
+        return _token(args.project, args.user)
     if args.command == "ping":
         return asyncio.run(_ping(args.service, args.instance, args.timeout))
     if args.command == "creds":
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "nats-config":
         from pathlib import Path
 
-        from servicekit.natsconf import deployed_auth, write_deployed_auth
+        from devstack.deployed import deployed_auth, write_deployed_auth
 
         if args.write:
             for path in write_deployed_auth(Path.cwd()):

@@ -5,7 +5,8 @@ servers to use, then every service as its own process. A service that dies is
 restarted with a growing delay (reset after a minute of good health) and the
 restart is logged. Ctrl-C, SIGTERM or `make down` stop the services first, then
 the servers. Where everything listens is printed and kept in
-`<state>/stack.json`, which `agentbus call` and `agentbus down` read.
+`<state>/stack.json`, which `agentbus call` and `agentbus down` read. The services
+are those installed with an `agentbus.services` entry point (`devstack.services`).
 
 The embedded NATS accepts no anonymous client: its config (`<state>/nats.conf`) has
 one user per service with permissions derived from the contracts, and passwords
@@ -24,42 +25,31 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import nats
 import psutil
 
-from contracts import catalog, streams
+from contracts import streams
+from devstack.services import ServiceSpec, discover, web_links
 from servicekit.bus import Credentials, identity_options, provision_streams
-from servicekit.embedded import EmbeddedNats, EmbeddedPostgres, start_nats, start_postgres
+from servicekit.embedded import (
+    EmbeddedNats,
+    EmbeddedPostgres,
+    start_nats,
+    start_postgres,
+    state_dir,
+)
 from servicekit.logs import get_logger
 from servicekit.natsconf import accounts_block, load_or_create_secrets, read_secrets
 from servicekit.permissions import OPS, PROVISION, USERS
 
 log = get_logger("devstack")
 
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """A service the stack runs: its micro name and the module `python -m` starts."""
-
-    name: str
-    module: str
-
-
-# The services declared in the contracts (each with its NATS user), in start order.
-SERVICES = [ServiceSpec(access.service, access.service) for access in catalog.ACCESS]
-
 RESTART_MAX_DELAY = 30.0
 HEALTHY_AFTER = 60.0
 STOP_GRACE = 10.0
-
-
-def state_dir() -> Path:
-    """Where the embedded servers keep their data (`AGENTBUS_STATE_DIR`, default `.agentbus`)."""
-    return Path(os.environ.get("AGENTBUS_STATE_DIR", ".agentbus")).resolve()
 
 
 def stack_file() -> Path:
@@ -189,7 +179,7 @@ async def _describe(
 
 async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
     """Run servers and services until SIGINT/SIGTERM."""
-    specs = specs or SERVICES
+    specs = specs or discover()
     if read_stack() is not None:
         raise SystemExit(f"a stack is already running ({stack_file()}); `make down` first")
     state = state_dir()
@@ -268,13 +258,10 @@ async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
 
 
 def _web_link(specs: list[ServiceSpec]) -> str:
-    """The web client's link for the local `demo` project, when the gateway runs."""
-    if not any(spec.name == "gateway" for spec in specs):
-        return ""
-    # Imported here: the gateway is a service built on servicekit, not part of it.
-    from gateway.auth import dev_link
-
-    return f"open the web client (project demo):\n  {dev_link('demo')}\n"
+    """The web client's link for the local `demo` project, when a web service runs."""
+    running = {spec.name for spec in specs}
+    links = [link("demo") for name, link in web_links().items() if name in running]
+    return "".join(f"open the web client (project demo):\n  {url}\n" for url in links)
 
 
 def _embedded(server: object) -> str:

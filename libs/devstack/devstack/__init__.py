@@ -1,0 +1,1 @@
+"""The `agentbus` launcher and CLI: above every service, imported by none."""

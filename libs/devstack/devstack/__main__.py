@@ -1,0 +1,5 @@
+import sys
+
+from devstack.cli import main
+
+sys.exit(main())
