@@ -346,7 +346,7 @@ async def test_the_brief_is_shown_being_written_then_as_its_card(
     )
     assert "Writing the brief" in (await writing.text_content() or "")
     await shot(page, "9-brief-being-written")
-    brief = {"title": "Receitas", "summary": "Um app de receitas"}
+    brief: dict[str, object] = {"title": "Receitas", "summary": "Um app de receitas"}
     await append(nc, session, EventType.ARTIFACT_PRODUCT_BRIEF.value, brief, readiness)
     await page.locator(".brief").wait_for()
     assert await writing.count() == 0, "the brief being written was not replaced by its card"

@@ -99,7 +99,7 @@ async def test_twenty_clients_joining_across_a_turns_end_see_each_event_once(
         assert (await join)["type"] == "ack"
         if after < outcome:
             await wait_for(
-                lambda c=client: c.event_seqs() and c.event_seqs()[-1] >= outcome,  # type: ignore[misc]
+                lambda c=client: c.event_seqs() and c.event_seqs()[-1] >= outcome,
                 timeout=30,
                 what="the outcome at every client",
             )
