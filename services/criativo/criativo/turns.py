@@ -128,9 +128,9 @@ EMIT_ARTIFACT_SCHEMA: dict[str, Any] = {
 def emit_artifact(conv: Conversation, record: RecordRule, tool_use_id: str = "") -> Tool:
     """The tool for one call: validated by the domain; a refusal goes back verbatim."""
 
-    async def handler(raw: dict[str, Any]) -> ToolResult:
+    async def handler(call: ToolUseBlock) -> ToolResult:
         try:
-            rule = rules.check_artifact(raw, conv)
+            rule = rules.check_artifact(call.input, conv)
         except DomainError as exc:
             return ToolResult.error(f"{exc.code}: {exc.message}")
         event_id = await record(rule, tool_use_id)
@@ -220,7 +220,7 @@ class Turns:
             return ToolResult.error(
                 f"there is no tool named {call.name!r}; the only tool is {tool.name}"
             )
-        return await tool.handler(call.input)
+        return await tool.handler(call)
 
     async def plain(self, conv: Conversation, message_id: UUID, text: str) -> TurnOutcome:
         """The stateless answer of a session without Criativo: the current message only."""

@@ -108,7 +108,8 @@ def emit_hypotheses_tool(log_: SessionLog, session_id: UUID, termination: Termin
     """Decision 3: resolve every cited id in the log, let the domain judge the whole batch;
     a refusal goes back to the model verbatim for its next iteration."""
 
-    async def handler(batch: dict[str, Any]) -> ToolResult:
+    async def handler(call: ToolUseBlock) -> ToolResult:
+        batch = call.input
         owners = await log_.owners(cited_event_ids(batch))
         try:
             accepted = validate_hypothesis_batch(batch, session_id, owners, termination)
