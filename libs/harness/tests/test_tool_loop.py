@@ -355,3 +355,20 @@ async def test_a_rerun_retries_a_failed_turn_under_a_retry_id_and_then_replays_i
     assert provider.attempts == 2
     calls, _ = await run_cost(nc, ctx.run_id)
     assert calls == 2  # the failed call and its retry, each billed once
+
+
+async def test_a_crashing_tool_is_told_to_the_model_unless_the_loop_lets_it_raise(
+    nc: Client, scripted: Metering
+) -> None:
+    async def broken(call: ToolUseBlock) -> ToolResult:
+        raise ConnectionError("the log is unreachable")
+
+    tool = Tool("record", "Record a number.", NUMBER_SCHEMA, broken)
+    told = await ToolLoop(MeteringClient(nc), [tool], max_iterations=1).run(context("looper"))
+    [(_, outcome)] = told.tool_calls
+    assert outcome.is_error
+    assert outcome.content == "the tool record failed: ConnectionError: the log is unreachable"
+
+    strict = ToolLoop(MeteringClient(nc), [tool], max_iterations=1, report_tool_crashes=False)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        await strict.run(context("looper"))

@@ -185,6 +185,9 @@ class Analyst:
     async def analyse(self, prepared: Prepared, last_attempt: bool) -> AnalysisOutcome:
         """Run the tool loop and record its outcome."""
         ctx, plan = prepared.ctx, prepared.plan
+        # The harness's one ToolLoop, whole-reply: nobody watches an analysis being
+        # written. A turn still running in metering (a killed delivery's) is not waited
+        # for: it ends the run as `turn_in_progress`, which a later delivery retries.
         loop = ToolLoop(
             self._client,
             [emit_hypotheses_tool(self._log, ctx.session.session_id, ctx.termination)],
