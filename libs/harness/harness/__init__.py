@@ -5,8 +5,7 @@ provider directly: only the metering service does (ADR 0008 decision 2).
 """
 
 from harness.client import MeteringClient
-from harness.loop import LoopContext, LoopResult, LoopStatus, ToolLoop
-from harness.streaming import stream_turn
+from harness.loop import LoopContext, LoopResult, LoopStatus, ToolLoop, TurnIds
 from harness.tools import Halt, PostToolHook, PreToolHook, Tool, ToolResult
 
 __all__ = [
@@ -20,5 +19,5 @@ __all__ = [
     "Tool",
     "ToolLoop",
     "ToolResult",
-    "stream_turn",
+    "TurnIds",
 ]

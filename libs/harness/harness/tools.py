@@ -1,6 +1,8 @@
 """Tools and hooks: what a model may call, and what runs around each call.
 
-A tool's handler returns a `ToolResult`. An error result goes back to the model,
+A tool's handler gets the whole call (its `input`, and its `id`: the same on every
+replay of a turn, so it can key an effect that must happen once) and returns a
+`ToolResult`. An error result goes back to the model,
 verbatim, as the next tool result, so the model can correct itself on the next
 turn (ADR 0015 decision 2: "M attempts" is the loop's `max_iterations`, not a retry
 subsystem). Validation belongs in the tool; ending the loop belongs in a post-tool
@@ -34,7 +36,7 @@ class ToolResult:
         return cls(message, True)
 
 
-ToolHandler = Callable[[dict[str, Any]], Awaitable[ToolResult]]
+ToolHandler = Callable[[ToolUseBlock], Awaitable[ToolResult]]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""ToolLoop and the streaming helper against the real metering service (scripted model)."""
+"""ToolLoop, whole-reply and streaming, against the real metering service (scripted model)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from contracts.metering import (
     UsageSummaryReply,
     UsageSummaryRequest,
 )
-from harness import Halt, LoopContext, MeteringClient, Tool, ToolLoop, ToolResult, stream_turn
+from harness import Halt, LoopContext, MeteringClient, Tool, ToolLoop, ToolResult
 from metering.providers.base import ProviderError
 from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCall, ScriptStep
 from metering.testing import Metering, Starter
@@ -60,6 +60,24 @@ SCRIPT = Script(
         ScriptStep(
             agent="talker", text="Olá! Vamos desenhar a sua padaria juntos.", token_delay_ms=1
         ),
+        # narrator: says what it does while calling a tool, then sums up
+        ScriptStep(
+            agent="narrator",
+            iteration=0,
+            text="Vou anotar o 7.",
+            tool_calls=[ScriptedToolCall(name="record", input={"n": 7})],
+            token_delay_ms=1,
+        ),
+        ScriptStep(agent="narrator", text="Anotado.", token_delay_ms=1),
+        # stopped: a call the person stopped, whose tool calls must never run
+        ScriptStep(
+            agent="stopped",
+            text="Vou anotar",
+            stop_reason="cancelled",
+            tool_calls=[ScriptedToolCall(name="record", input={"n": 3})],
+        ),
+        # slowpoke: a whole-reply turn long enough to be met while still running
+        ScriptStep(agent="slowpoke", text=" ".join(f"s{i}" for i in range(40)), token_delay_ms=25),
         # chatterbox: 400 words at 25 ms, long enough to be stopped
         ScriptStep(
             agent="chatterbox", text=" ".join(f"w{i}" for i in range(400)), token_delay_ms=25
@@ -74,8 +92,8 @@ async def scripted(start_metering: Starter) -> Metering:
 
 
 def record_tool(seen: list[int]) -> Tool:
-    async def record(data: dict[str, Any]) -> ToolResult:
-        n = data.get("n")
+    async def record(call: ToolUseBlock) -> ToolResult:
+        n = call.input.get("n")
         if not isinstance(n, int) or n < 0:
             return ToolResult.error(f"n must be a whole number ≥ 0; you sent {n!r}. Send it again.")
         seen.append(n)
@@ -127,8 +145,8 @@ async def test_a_tool_error_goes_back_verbatim_and_the_model_corrects_itself(
 
 
 async def test_a_post_tool_hook_halts_the_loop(nc: Client, scripted: Metering) -> None:
-    async def finish(data: dict[str, Any]) -> ToolResult:
-        return ToolResult.ok("finished", data={"accepted": data["n"]})
+    async def finish(call: ToolUseBlock) -> ToolResult:
+        return ToolResult.ok("finished", data={"accepted": call.input["n"]})
 
     async def stop_when_finished(call: ToolUseBlock, outcome: ToolResult) -> Halt | None:
         if call.name == "finish" and not outcome.is_error:
@@ -188,70 +206,116 @@ async def test_the_budget_runs_out_mid_loop_and_nothing_more_is_called(
     assert cost <= 78_000
 
 
-async def test_stream_turn_publishes_deltas_on_the_sessions_subject(
-    nc: Client, scripted: Metering
-) -> None:
-    session = uuid.uuid4()
+async def collect_deltas(nc: Client, subject: str) -> tuple[list[TurnDelta], Any]:
     deltas: list[TurnDelta] = []
 
     async def collect(msg: Msg) -> None:
         deltas.append(TurnDelta.model_validate_json(msg.data))
 
-    sub = await nc.subscribe(subjects.delta_subject("bakery", session), cb=collect)
+    sub = await nc.subscribe(subject, cb=collect)
     await nc.flush()
-    reply = await stream_turn(
-        MeteringClient(nc),
-        run_id="chat-run",
-        turn_id=f"chat-{uuid.uuid4().hex}",
-        agent_slug="talker",
-        project_id="bakery",
+    return deltas, sub
+
+
+async def test_a_streaming_loop_publishes_every_turn_s_deltas_under_its_turn_ids(
+    nc: Client, scripted: Metering
+) -> None:
+    session, message = uuid.uuid4(), uuid.uuid4()
+    deltas, sub = await collect_deltas(nc, subjects.delta_subject("proj", session))
+    seen: list[int] = []
+    loop = ToolLoop(MeteringClient(nc), [record_tool(seen)], max_iterations=4)
+    ctx = context(
+        "narrator",
         session_id=session,
-        system="You are Criativo.",
-        messages=[ChatMessage(role="user", content="Quero uma padaria.")],
-        max_tokens=300,
+        stream=True,
+        causation_id=message,
+        turn_id=lambda n: f"answer.{message}.{n}",
     )
-    text = "Olá! Vamos desenhar a sua padaria juntos."
-    await wait_for(lambda: "".join(d.text for d in deltas) == text, what="every delta")
+    result = await loop.run(ctx)
+    await wait_for(
+        lambda: "".join(d.text for d in deltas) == "Vou anotar o 7.Anotado.", what="every delta"
+    )
     await sub.unsubscribe()
-    assert [d.seq for d in deltas] == list(range(1, len(deltas) + 1))
-    assert reply.content[0].type == "text" and reply.content[0].text == text
+
+    ids = [f"answer.{message}.1", f"answer.{message}.2"]
+    assert (result.status, result.iterations, seen) == ("completed", 2, [7])
+    assert result.turn_ids == ids
+    assert result.texts == ["Vou anotar o 7.", "Anotado."]
+    assert result.final_text == "Anotado."
+    assert sorted({d.turn_id for d in deltas}) == ids
+    assert {d.causation_id for d in deltas} == {message}
+    for turn_id in ids:
+        assert [d.seq for d in deltas if d.turn_id == turn_id] == list(
+            range(1, 1 + sum(d.turn_id == turn_id for d in deltas))
+        )
+    # usage and cost are summed once, over both calls, as metering billed them
+    assert (await run_cost(nc, ctx.run_id)) == (2, result.cost_micros)
+    assert result.model and result.usage.output_tokens > 0
+
+    # the same input again: the very same turns are replayed, nothing is streamed or billed
+    again = await loop.run(ctx)
+    assert (again.turn_ids, again.texts, seen) == (ids, result.texts, [7, 7])
+    assert (await run_cost(nc, ctx.run_id))[0] == 2
 
 
-async def test_a_stopped_stream_turn_returns_metering_s_reply_unchanged(
+async def test_a_stopped_call_ends_the_loop_and_its_tool_calls_never_run(
+    nc: Client, scripted: Metering
+) -> None:
+    seen: list[int] = []
+    loop = ToolLoop(MeteringClient(nc), [record_tool(seen)], max_iterations=4)
+    result = await loop.run(context("stopped"))
+    assert (result.status, result.iterations) == ("stopped", 1)
+    assert seen == [] and result.tool_calls == []
+    assert result.texts == ["Vou anotar"]
+
+
+async def test_a_streaming_loop_the_person_stops_ends_with_the_text_written_so_far(
     nc: Client, scripted: Metering
 ) -> None:
     session = uuid.uuid4()
-    deltas: list[TurnDelta] = []
-
-    async def collect(msg: Msg) -> None:
-        deltas.append(TurnDelta.model_validate_json(msg.data))
-
-    sub = await nc.subscribe(subjects.delta_subject("bakery", session), cb=collect)
-    await nc.flush()
-    client, turn_id = MeteringClient(nc), f"chat-{uuid.uuid4().hex}"
-    running = asyncio.create_task(
-        stream_turn(
-            client,
-            run_id="chat-run",
-            turn_id=turn_id,
-            agent_slug="chatterbox",
-            project_id="bakery",
-            session_id=session,
-            system="You are Criativo.",
-            messages=[ChatMessage(role="user", content="Fale muito.")],
-            max_tokens=1000,
-        )
-    )
+    deltas, sub = await collect_deltas(nc, subjects.delta_subject("proj", session))
+    client = MeteringClient(nc)
+    ctx = context("chatterbox", session_id=session, stream=True)
+    running = asyncio.create_task(ToolLoop(client, [], max_iterations=3, max_tokens=1000).run(ctx))
     await wait_for(lambda: len(deltas) >= 2, what="the turn to stream")
-    assert (await client.cancel(turn_id, "bakery", session)).status == "cancelling"
-    reply = await running
+    turn_id = ctx.turn_id_of(1)
+    assert (await client.cancel(turn_id, "proj", session)).status == "cancelling"
+    result = await running
     await sub.unsubscribe()
 
-    assert reply.stop_reason == "cancelled" and reply.turn_id == turn_id
-    [block] = reply.content
-    assert block.type == "text" and 2 <= len(block.text.split()) < 400
-    assert reply.usage.output_tokens == len(block.text.split()) and reply.cost_micros > 0
-    assert (await client.cancel(turn_id, "bakery", session)).status == "finished"
+    assert (result.status, result.iterations, result.turn_ids) == ("stopped", 1, [turn_id])
+    [text] = result.texts
+    assert 2 <= len(text.split()) < 400
+    assert result.usage.output_tokens == len(text.split()) and result.cost_micros > 0
+    assert (await client.cancel(turn_id, "proj", session)).status == "finished"
+
+
+async def test_a_streaming_run_needs_its_session(nc: Client, scripted: Metering) -> None:
+    loop = ToolLoop(MeteringClient(nc), [], max_iterations=1)
+    with pytest.raises(ValueError, match="session"):
+        await loop.run(context("talker", stream=True))
+
+
+async def test_a_turn_still_running_is_waited_for_and_replayed_when_the_loop_may_wait(
+    nc: Client, scripted: Metering
+) -> None:
+    ctx = context("slowpoke")
+    calls_before = scripted.calls
+    first = asyncio.create_task(ToolLoop(MeteringClient(nc), [], max_iterations=1).run(ctx))
+    await wait_for(lambda: scripted.calls > calls_before, what="the first run's call")
+
+    impatient = await ToolLoop(MeteringClient(nc), [], max_iterations=1).run(ctx)
+    assert (impatient.status, impatient.error_code) == ("error", "turn_in_progress")
+    assert impatient.turn_ids == [ctx.turn_id_of(1)]
+
+    patient = ToolLoop(MeteringClient(nc), [], max_iterations=1, in_progress_wait_seconds=60)
+    waited = await patient.run(ctx)
+    done = await first
+    assert (waited.status, done.status) == ("completed", "completed")
+    assert waited.final_text == done.final_text and len(done.final_text.split()) == 40
+    assert waited.turn_ids == done.turn_ids == [ctx.turn_id_of(1)]
+    assert scripted.calls - calls_before == 1
+    assert (await run_cost(nc, ctx.run_id))[0] == 1
 
 
 class FailsOnce(ScriptedProvider):
@@ -278,13 +342,33 @@ async def test_a_rerun_retries_a_failed_turn_under_a_retry_id_and_then_replays_i
 
     failed = await loop.run(ctx)
     assert (failed.status, failed.error_code) == ("error", "provider_error")
+    assert failed.turn_ids == [f"{ctx.run_id}.1"]
     retried = await loop.run(ctx)  # the same run: iteration 1's id already failed in metering
     assert (retried.status, retried.final_text) == (
         "completed",
         "Olá! Vamos desenhar a sua padaria juntos.",
     )
+    assert retried.turn_ids == [f"{ctx.run_id}.1.r1"]
     replayed = await loop.run(ctx)  # once more: the successful retry is replayed, not re-billed
     assert replayed.status == "completed"
+    assert replayed.turn_ids == [f"{ctx.run_id}.1.r1"]
     assert provider.attempts == 2
     calls, _ = await run_cost(nc, ctx.run_id)
     assert calls == 2  # the failed call and its retry, each billed once
+
+
+async def test_a_crashing_tool_is_told_to_the_model_unless_the_loop_lets_it_raise(
+    nc: Client, scripted: Metering
+) -> None:
+    async def broken(call: ToolUseBlock) -> ToolResult:
+        raise ConnectionError("the log is unreachable")
+
+    tool = Tool("record", "Record a number.", NUMBER_SCHEMA, broken)
+    told = await ToolLoop(MeteringClient(nc), [tool], max_iterations=1).run(context("looper"))
+    [(_, outcome)] = told.tool_calls
+    assert outcome.is_error
+    assert outcome.content == "the tool record failed: ConnectionError: the log is unreachable"
+
+    strict = ToolLoop(MeteringClient(nc), [tool], max_iterations=1, report_tool_crashes=False)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        await strict.run(context("looper"))

@@ -1,4 +1,5 @@
-"""The model turns of a session, all through metering (the harness's client only).
+"""The model turns of a session, all on the harness's `ToolLoop` (streaming, through
+metering only).
 
 - `criativo`: a streaming tool loop. Each model call is one `cmd.llm.stream` whose
   deltas go to the session's `agent.delta.<project>.<session>`; tool calls
@@ -6,7 +7,7 @@
   refused rule is corrected on the next call. The person sees every call's text.
   A call the person stopped (`stop_reason` "cancelled", from `cmd.llm.cancel`) ends
   the answer at once: its tool calls never run, and the answer is the text written
-  so far, marked stopped (`domain.criativo.after_call`).
+  so far, marked stopped (the rule of `domain.criativo.after_call`, kept by the loop).
 - `plain`: the chat of sessions without Criativo (DESIGN.md flow 1): one streaming,
   stateless call with the current message only, agent slug `chat`.
 - `consolidate`: the brief after readiness, one streaming call with no tools — the
@@ -18,37 +19,24 @@ model again, so a redelivered or retried turn replays the very same tool calls, 
 the same tool_use ids. A rule is appended under a key derived from its tool_use id,
 so one tool call records one artifact however many times the turn is replayed. A
 turn id that ended without a reply (metering shut down mid-call) is tried again as
-`<turn_id>.r1`, `.r2`…, in that order, as the harness's ToolLoop does; one still
-running in metering (our previous delivery died waiting for it) is waited for.
+`<turn_id>.r1`, `.r2`…; one still running in metering (our previous delivery died
+waiting for it) is waited for — both done by the `ToolLoop`.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any
 from uuid import UUID
 
-from contracts import subjects
-from contracts.common import ErrorCode
 from contracts.events import BusinessRule, TurnUsage
-from contracts.metering import (
-    ChatMessage,
-    LlmStream,
-    LlmTurn,
-    TextBlock,
-    TokenUsage,
-    ToolResultBlock,
-    ToolUseBlock,
-    TurnReply,
-)
+from contracts.metering import ChatMessage, TokenUsage, ToolUseBlock
 from domain import criativo as rules
-from domain.criativo import Conversation, NextStep
+from domain.criativo import Conversation
 from domain.errors import DomainError
-from harness import MeteringClient, Tool, ToolResult
-from servicekit.client import CommandFailed
+from harness import LoopContext, LoopResult, MeteringClient, Tool, ToolLoop, ToolResult
 from servicekit.faults import crash_point
 
 CRIATIVO_PROMPT = (files("criativo") / "prompts" / "criativo.md").read_text(encoding="utf-8")
@@ -58,11 +46,6 @@ CONSOLIDATION_PROMPT = (files("criativo") / "prompts" / "consolidation.md").read
 
 # Records a valid rule in the log, once per tool_use id; returns its event id.
 RecordRule = Callable[[BusinessRule, str], Awaitable[UUID]]
-
-# Attempts of one model call after its turn id ended without a reply.
-MAX_TURN_RETRIES = 3
-# How often to ask again about a turn id metering is still running.
-IN_PROGRESS_POLL_SECONDS = 0.25
 
 
 class TurnFailed(Exception):
@@ -87,13 +70,6 @@ class TurnOutcome:
     rules: list[UUID] = field(default_factory=list)
     # The person pressed Stop: `text` is what was written up to then.
     stopped: bool = False
-
-    def add(self, reply: TurnReply) -> None:
-        self.usage = TokenUsage(
-            **{k: getattr(self.usage, k) + getattr(reply.usage, k) for k in TokenUsage.model_fields}
-        )
-        self.cost_micros += reply.cost_micros
-        self.model = reply.model
 
     def turn_usage(self) -> TurnUsage:
         """The usage the `agent.response` carries (cache writes of both lifetimes summed)."""
@@ -125,15 +101,16 @@ EMIT_ARTIFACT_SCHEMA: dict[str, Any] = {
 }
 
 
-def emit_artifact(conv: Conversation, record: RecordRule, tool_use_id: str = "") -> Tool:
-    """The tool for one call: validated by the domain; a refusal goes back verbatim."""
+def emit_artifact(conv: Conversation, record: RecordRule) -> Tool:
+    """The tool: validated by the domain; a refusal goes back verbatim; a valid rule is
+    recorded under its call's tool_use id (the same on every replay of the turn)."""
 
-    async def handler(raw: dict[str, Any]) -> ToolResult:
+    async def handler(call: ToolUseBlock) -> ToolResult:
         try:
-            rule = rules.check_artifact(raw, conv)
+            rule = rules.check_artifact(call.input, conv)
         except DomainError as exc:
             return ToolResult.error(f"{exc.code}: {exc.message}")
-        event_id = await record(rule, tool_use_id)
+        event_id = await record(rule, call.id)
         crash_point("criativo.after_rule")
         return ToolResult.ok(f"business_rule recorded as event {event_id}", data=event_id)
 
@@ -147,7 +124,7 @@ def emit_artifact(conv: Conversation, record: RecordRule, tool_use_id: str = "")
 
 
 class Turns:
-    """Runs a session's model turns through metering."""
+    """Runs a session's model turns through metering, on the harness's `ToolLoop`."""
 
     def __init__(
         self,
@@ -168,139 +145,92 @@ class Turns:
         self, conv: Conversation, message_id: UUID, record: RecordRule
     ) -> TurnOutcome:
         """Answer one message with the conversation so far, recording rules as they come."""
-        tool = emit_artifact(conv, record)  # its spec; each call runs under its tool_use id
-        system = f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
-        messages = rules.model_messages(conv, message_id)
-        outcome = TurnOutcome(text="")
-        texts: list[str] = []
-        for iteration in range(1, self._max_iterations + 1):
-            cmd = LlmStream(
+        result = await self._run(
+            [emit_artifact(conv, record)],
+            self._max_iterations,
+            LoopContext(
                 run_id=f"criativo.{conv.session_id}",
-                turn_id=f"criativo.{message_id}.{iteration}",
+                turn_id=lambda iteration: f"criativo.{message_id}.{iteration}",
                 agent_slug=rules.CRIATIVO,
                 project_id=conv.project_id,
                 session_id=conv.session_id,
-                system=system,
-                messages=messages,
-                max_tokens=self._max_tokens,
-                tools=[tool.spec()],
+                system=self._system(conv),
+                messages=rules.model_messages(conv, message_id),
                 budget_micros=self._budget,
-                delta_subject=subjects.delta_subject(conv.project_id, conv.session_id),
+                stream=True,
                 causation_id=message_id,
-            )
-            reply = await self._call(cmd, outcome.turn_ids)
-            outcome.add(reply)
-            texts.extend(b.text for b in reply.content if isinstance(b, TextBlock) and b.text)
-            calls = [b for b in reply.content if isinstance(b, ToolUseBlock)]
-            step = rules.after_call(reply.stop_reason, len(calls))
-            if step is not NextStep.RUN_TOOLS:
-                outcome.stopped = step is NextStep.STOPPED
-                break
-            results: list[ToolResultBlock] = []
-            for call in calls:
-                result = await self._run(emit_artifact(conv, record, call.id), call)
-                if not result.is_error and isinstance(result.data, UUID):
-                    outcome.rules.append(result.data)
-                results.append(
-                    ToolResultBlock(
-                        tool_use_id=call.id, content=result.content, is_error=result.is_error
-                    )
-                )
-            messages = [
-                *messages,
-                ChatMessage(role="assistant", content=list(reply.content)),
-                ChatMessage(role="user", content=list(results)),
-            ]
-        outcome.text = "\n\n".join(texts)
-        return outcome
-
-    @staticmethod
-    async def _run(tool: Tool, call: ToolUseBlock) -> ToolResult:
-        if call.name != tool.name:
-            return ToolResult.error(
-                f"there is no tool named {call.name!r}; the only tool is {tool.name}"
-            )
-        return await tool.handler(call.input)
+            ),
+        )
+        # The answer is every call's text, as the person saw it streamed.
+        return _outcome(result, "\n\n".join(result.texts))
 
     async def plain(self, conv: Conversation, message_id: UUID, text: str) -> TurnOutcome:
         """The stateless answer of a session without Criativo: the current message only."""
-        cmd = LlmStream(
-            run_id=f"chat.{conv.session_id}",
-            turn_id=f"chat.{message_id}",
-            agent_slug=rules.PLAIN_CHAT,
-            project_id=conv.project_id,
-            session_id=conv.session_id,
-            system="",
-            messages=[ChatMessage(role="user", content=text)],
-            max_tokens=self._max_tokens,
-            delta_subject=subjects.delta_subject(conv.project_id, conv.session_id),
-            causation_id=message_id,
+        result = await self._run(
+            [],
+            1,
+            LoopContext(
+                run_id=f"chat.{conv.session_id}",
+                turn_id=lambda _: f"chat.{message_id}",
+                agent_slug=rules.PLAIN_CHAT,
+                project_id=conv.project_id,
+                session_id=conv.session_id,
+                system="",
+                messages=[ChatMessage(role="user", content=text)],
+                stream=True,
+                causation_id=message_id,
+            ),
         )
-        turn_ids: list[str] = []
-        reply = await self._call(cmd, turn_ids)
-        return _one_turn(reply, turn_ids)
+        return _outcome(result, result.final_text)
 
     async def consolidate(
         self, conv: Conversation, readiness_id: UUID, readiness_seq: int
     ) -> TurnOutcome:
         """The consolidation turn after readiness: the brief's text, no tools offered."""
         ask = CONSOLIDATION_PROMPT.format(readiness_id=readiness_id)
-        history = rules.consolidation_messages(conv, readiness_seq, ask)
-        system = f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
         # Streamed like any answer, so the person sees the brief being written; its
         # deltas and its `agent.done` carry the readiness as their causation.
-        cmd = LlmStream(
-            run_id=f"criativo.{conv.session_id}",
-            turn_id=consolidation_turn_id(readiness_id),
-            agent_slug=rules.CRIATIVO,
-            project_id=conv.project_id,
-            session_id=conv.session_id,
-            system=system,
-            messages=history,
-            max_tokens=self._max_tokens,
-            budget_micros=self._budget,
-            delta_subject=subjects.delta_subject(conv.project_id, conv.session_id),
-            causation_id=readiness_id,
+        result = await self._run(
+            [],
+            1,
+            LoopContext(
+                run_id=f"criativo.{conv.session_id}",
+                turn_id=lambda _: consolidation_turn_id(readiness_id),
+                agent_slug=rules.CRIATIVO,
+                project_id=conv.project_id,
+                session_id=conv.session_id,
+                system=self._system(conv),
+                messages=rules.consolidation_messages(conv, readiness_seq, ask),
+                budget_micros=self._budget,
+                stream=True,
+                causation_id=readiness_id,
+            ),
         )
-        turn_ids: list[str] = []
-        reply = await self._call(cmd, turn_ids)
-        return _one_turn(reply, turn_ids)
+        return _outcome(result, result.final_text)
 
-    async def _call(self, cmd: LlmTurn, turn_ids: list[str]) -> TurnReply:
-        """One model call under its deterministic turn id (see the module docstring).
+    async def _run(self, tools: list[Tool], max_iterations: int, ctx: LoopContext) -> LoopResult:
+        """One loop; a turn metering refused or failed raises `TurnFailed` with every
+        turn id tried. A tool that raises (the log unreachable while recording a rule)
+        ends the turn with its exception, so the delivery is retried: a rule must be
+        recorded, never reported to the model as its mistake."""
+        loop = ToolLoop(
+            self._client,
+            tools,
+            max_iterations=max_iterations,
+            max_tokens=self._max_tokens,
+            in_progress_wait_seconds=self._in_progress_wait,
+            report_tool_crashes=False,
+        )
+        result = await loop.run(ctx)
+        if result.status in ("error", "budget_exceeded"):
+            raise TurnFailed(
+                result.error_code or "error", result.error_message or "", result.turn_ids
+            )
+        return result
 
-        Appends the turn id actually used to `turn_ids`; a refusal or failure raises
-        `TurnFailed` carrying every turn id tried.
-        """
-        attempt = cmd
-        retry = 0
-        waited = 0.0
-        while True:
-            try:
-                if isinstance(attempt, LlmStream):
-                    reply = await self._client.stream(attempt)
-                else:
-                    reply = await self._client.turn(attempt)
-            except CommandFailed as exc:
-                if exc.code == ErrorCode.TURN_IN_PROGRESS and waited < self._in_progress_wait:
-                    # An earlier delivery's call is still running in metering: its
-                    # reply, once stored, is ours to replay.
-                    await asyncio.sleep(IN_PROGRESS_POLL_SECONDS)
-                    waited += IN_PROGRESS_POLL_SECONDS
-                    continue
-                if exc.code in _RETRYABLE and retry < MAX_TURN_RETRIES:
-                    retry, waited = retry + 1, 0.0
-                    attempt = cmd.model_copy(update={"turn_id": f"{cmd.turn_id}.r{retry}"})
-                    continue
-                turn_ids.append(attempt.turn_id)
-                raise TurnFailed(exc.code, exc.message, turn_ids) from None
-            turn_ids.append(attempt.turn_id)
-            return reply
-
-
-# A turn id that ended without a reply, or is stuck in progress past the wait (its
-# metering replica died mid-call), is tried again under the next retry id.
-_RETRYABLE = frozenset({ErrorCode.TURN_ALREADY_FAILED.value, ErrorCode.TURN_IN_PROGRESS.value})
+    @staticmethod
+    def _system(conv: Conversation) -> str:
+        return f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
 
 
 def consolidation_turn_id(readiness_id: UUID) -> str:
@@ -308,12 +238,18 @@ def consolidation_turn_id(readiness_id: UUID) -> str:
     return f"criativo.{readiness_id}.brief"
 
 
-def _one_turn(reply: TurnReply, turn_ids: list[str]) -> TurnOutcome:
-    """The outcome of a turn made of a single model call."""
-    outcome = TurnOutcome(
-        text="".join(b.text for b in reply.content if isinstance(b, TextBlock)),
-        turn_ids=turn_ids,
-        stopped=rules.after_call(reply.stop_reason, 0) is NextStep.STOPPED,
+def _outcome(result: LoopResult, text: str) -> TurnOutcome:
+    """What the person is answered, from how the loop ended."""
+    return TurnOutcome(
+        text=text,
+        turn_ids=result.turn_ids,
+        usage=result.usage,
+        cost_micros=result.cost_micros,
+        model=result.model,
+        rules=[
+            outcome.data
+            for _, outcome in result.tool_calls
+            if not outcome.is_error and isinstance(outcome.data, UUID)
+        ],
+        stopped=result.status == "stopped",
     )
-    outcome.add(reply)
-    return outcome

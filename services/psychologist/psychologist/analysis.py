@@ -108,7 +108,8 @@ def emit_hypotheses_tool(log_: SessionLog, session_id: UUID, termination: Termin
     """Decision 3: resolve every cited id in the log, let the domain judge the whole batch;
     a refusal goes back to the model verbatim for its next iteration."""
 
-    async def handler(batch: dict[str, Any]) -> ToolResult:
+    async def handler(call: ToolUseBlock) -> ToolResult:
+        batch = call.input
         owners = await log_.owners(cited_event_ids(batch))
         try:
             accepted = validate_hypothesis_batch(batch, session_id, owners, termination)
@@ -184,6 +185,9 @@ class Analyst:
     async def analyse(self, prepared: Prepared, last_attempt: bool) -> AnalysisOutcome:
         """Run the tool loop and record its outcome."""
         ctx, plan = prepared.ctx, prepared.plan
+        # The harness's one ToolLoop, whole-reply: nobody watches an analysis being
+        # written. A turn still running in metering (a killed delivery's) is not waited
+        # for: it ends the run as `turn_in_progress`, which a later delivery retries.
         loop = ToolLoop(
             self._client,
             [emit_hypotheses_tool(self._log, ctx.session.session_id, ctx.termination)],
