@@ -1,12 +1,13 @@
-"""`SessionLogClient` against the real session_events service (real NATS, real Postgres):
-paging past the log's page size both ways, idempotent appends, and the refusals callers
-branch on arriving as types, not as strings."""
+"""`SessionLogClient` against the real session_events service, started as a process (by
+module name: the kit imports no service), on real NATS and Postgres: paging past the
+log's page size both ways, idempotent appends, and the refusals callers branch on
+arriving as types, not as strings."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -25,18 +26,15 @@ from servicekit.sessionlog import (
     SessionLogClient,
     SessionNotFound,
 )
-from servicekit.testing import running_service
-from session_events.app import LogSettings, main
 
 PERSON = "user:ana"
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def log(nats_url: str, database_url: str, nc: Client) -> AsyncIterator[SessionLogClient]:
-    """A client of the session_events service, running in this process."""
-    settings = LogSettings(nats_url=nats_url, database_url=database_url)
-    async with running_service(main(settings), nc, "session_events"):
-        yield SessionLogClient(nc)
+async def log(spawn: Any, nc: Client) -> SessionLogClient:
+    """A client of the session_events service, running as its own process."""
+    await spawn("session_events").wait_ready(nc, "session_events")
+    return SessionLogClient(nc)
 
 
 def project() -> str:
