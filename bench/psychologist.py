@@ -53,10 +53,10 @@ from psychologist.app import PsychologistSettings
 from psychologist.app import main as psychologist_main
 from psychologist.context import render
 from psychologist.repository import PsychologistRepository
-from psychologist.sessionlog import SessionLog
 from servicekit.client import call
 from servicekit.db import create_pool
 from servicekit.logs import configure_logging
+from servicekit.sessionlog import SessionLogClient
 from servicekit.testing import running_service
 from session_events.app import LogSettings
 from session_events.app import main as log_main
@@ -146,8 +146,10 @@ async def run() -> None:
                 f"asyncpg SELECT 1 {select * 1e3:.3f} ms"
             )
 
-            analyst = Analyst(PsychologistRepository(pool), SessionLog(nc), MeteringClient(nc))
-            log_ = SessionLog(nc)
+            analyst = Analyst(
+                PsychologistRepository(pool), SessionLogClient(nc), MeteringClient(nc)
+            )
+            log_ = SessionLogClient(nc)
             print(
                 "events   prepare(read+triage) ms  render ms  prompt KiB  validate(20 ids) ms  "
                 "prepare/hop  validate/hop"

@@ -14,6 +14,9 @@ from contracts.events import Event
 # Size of one event payload, serialised. Larger artifacts belong in a blob store;
 # the log keeps what a person or a model reads.
 MAX_EVENT_PAYLOAD_BYTES = 256 * 1024
+# The most events one `cmd.events.list` or `cmd.events.get` answers: a client reading
+# more pages at this size (`servicekit.sessionlog`).
+EVENTS_PAGE_MAX = 1000
 
 EventTypeName = Annotated[str, StringConstraints(min_length=1, max_length=128), TEXT_CHECK]
 SessionStatus = Literal["open", "closed", "closed_abnormally"]
@@ -55,7 +58,7 @@ class AppendedReply(Message):
 class GetEvents(Message):
     """`cmd.events.get`: events by id (ids that do not exist are listed in `missing`)."""
 
-    event_ids: list[UUID] = Field(min_length=1, max_length=1000)
+    event_ids: list[UUID] = Field(min_length=1, max_length=EVENTS_PAGE_MAX)
 
 
 class EventsReply(Message):
@@ -70,7 +73,7 @@ class ListEvents(Message):
 
     session_id: UUID
     after_seq: Int64 = Field(default=0, ge=0)
-    limit: Int64 = Field(default=500, ge=1, le=1000)
+    limit: Int64 = Field(default=500, ge=1, le=EVENTS_PAGE_MAX)
 
 
 class QueryEvents(Message):

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 from nats.aio.client import Client
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from contracts.common import ErrorReply
+from domain.errors import DomainError
 from servicekit.telemetry import inject_headers
 
 Rep = TypeVar("Rep", bound=BaseModel)
 
 
 class CommandFailed(Exception):
-    """The service answered with an error reply."""
+    """The service answered with an error reply: its `code`, `message` and `details`."""
 
     def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(f"{code}: {message}")
@@ -22,13 +23,27 @@ class CommandFailed(Exception):
         self.message = message
         self.details = details or {}
 
+    def refusal(self) -> DomainError:
+        """The same refusal, raised on by a command handler as its own reply."""
+        return DomainError(self.code, self.message, **self.details)
+
 
 def parse_reply(data: bytes, reply_model: type[Rep]) -> Rep:
-    """The reply model, or `CommandFailed` when the reply is an error."""
-    if data.startswith(b'{"error":'):
-        error = json.loads(data)["error"]
-        raise CommandFailed(error["code"], error["message"], error.get("details"))
-    return reply_model.model_validate_json(data)
+    """The reply model, or `CommandFailed` when the reply is an error.
+
+    Every contract model forbids unknown fields, so an error reply never passes for a
+    result: it is read as the contract's `ErrorReply` only when the result fails.
+    """
+    try:
+        return reply_model.model_validate_json(data)
+    except ValidationError:
+        try:
+            error = ErrorReply.model_validate_json(data).error
+        except ValidationError:
+            error = None
+        if error is None:
+            raise
+        raise CommandFailed(error.code, error.message, dict(error.details)) from None
 
 
 async def call(

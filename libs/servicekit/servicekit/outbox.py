@@ -37,7 +37,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from contracts import subjects
-from contracts.common import ErrorCode
+from contracts.common import ErrorBody, ErrorCode
 from contracts.session_events import AppendEvent
 from domain import log_rules
 from servicekit.cancellation import raise_if_cancelling
@@ -165,6 +165,9 @@ class Delivery:
 
     error: str | None = None
     permanent: bool = False
+    # The receiver's error reply, when it answered with one: its code is branched on
+    # as a value, never parsed back out of `error`.
+    refusal: ErrorBody | None = None
 
 
 DELIVERED = Delivery()
@@ -245,7 +248,11 @@ class LogAppender:
         code = error["code"]
         gave_up = code == ErrorCode.INTERNAL and row.attempts + 1 >= MAX_INTERNAL_ATTEMPTS
         return Delivery(
-            f"{code}: {error['message']}", permanent=code not in TRANSIENT_CODES or gave_up
+            f"{code}: {error['message']}",
+            permanent=code not in TRANSIENT_CODES or gave_up,
+            refusal=ErrorBody(
+                code=code, message=error["message"], details=error.get("details") or {}
+            ),
         )
 
 

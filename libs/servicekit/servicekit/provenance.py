@@ -14,11 +14,9 @@ from collections import Counter
 
 from nats.aio.client import Client
 
-from contracts import subjects
 from contracts.events import Event
-from contracts.session_events import EventsReply, GetEvents
-from servicekit.client import call
 from servicekit.logs import get_logger
+from servicekit.sessionlog import COMMAND_TIMEOUT_SECONDS, SessionLogClient
 
 log = get_logger(__name__)
 
@@ -46,8 +44,8 @@ async def confirm(nc: Client, delivered: Event, *, consumer: str) -> Event | Non
     A failure to reach the log raises: the message is then redelivered, as for any
     transient fault, rather than trusted or dropped.
     """
-    reply = await call(nc, subjects.EVENTS_GET, GetEvents(event_ids=[delivered.id]), EventsReply)
-    logged = next((e for e in reply.events if e.id == delivered.id), None)
+    found = await SessionLogClient(nc).get([delivered.id], timeout=COMMAND_TIMEOUT_SECONDS)
+    logged = next((e for e in found if e.id == delivered.id), None)
     reason = mismatch(delivered, logged)
     if reason is None:
         return logged

@@ -11,7 +11,6 @@ from criativo.actors import Actors
 from criativo.consumer import SessionInputs
 from criativo.handlers import CONSUMER, SessionWork
 from criativo.lease import SessionLeases
-from criativo.log import SessionLog
 from criativo.offers import OfferSender
 from criativo.turns import Turns
 from harness import MeteringClient
@@ -19,6 +18,7 @@ from servicekit.consumer import ConsumerSpec
 from servicekit.endpoint import Endpoints
 from servicekit.outbox import OutboxRelay
 from servicekit.runtime import open_runtime, run_service, wait_until_stopped
+from servicekit.sessionlog import SessionLogClient
 from servicekit.settings import ServiceSettings
 
 SERVICE = "criativo"
@@ -83,7 +83,9 @@ async def main(settings: CriativoSettings | None = None) -> None:
             budget_micros=settings.session_budget_micros,
             in_progress_wait_seconds=settings.turn_in_progress_wait_seconds,
         )
-        work = SessionWork(rt.nc, rt.pool, SessionLog(rt.nc), leases, turns, settings.crash_limit)
+        work = SessionWork(
+            rt.nc, rt.pool, SessionLogClient(rt.nc), leases, turns, settings.crash_limit
+        )
         actors = Actors(work, settings.idle_seconds)
         relay = OutboxRelay(
             rt.pool, OfferSender(rt.nc), settings.outbox_batch, settings.outbox_poll_seconds

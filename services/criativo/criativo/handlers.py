@@ -16,13 +16,13 @@ so the decision is taken on the log as it stands, not on what this replica last 
 
 from __future__ import annotations
 
+import contextlib
 from uuid import UUID
 
 import asyncpg
 from nats.aio.client import Client
 
 from contracts import subjects
-from contracts.common import ErrorCode
 from contracts.criativo import AgentDone
 from contracts.events import (
     AgentError,
@@ -32,14 +32,13 @@ from contracts.events import (
     EventType,
 )
 from criativo.lease import SessionLeases
-from criativo.log import SessionLog
 from criativo.offers import queue_offer
 from criativo.turns import TurnFailed, TurnOutcome, Turns, consolidation_turn_id
 from domain import criativo as rules
 from domain.criativo import Action, Conversation
 from servicekit import provenance
-from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
+from servicekit.sessionlog import SessionClosed, SessionLogClient, SessionNotFound
 
 log = get_logger(__name__)
 
@@ -54,7 +53,7 @@ class SessionWork:
         self,
         nc: Client,
         pool: asyncpg.Pool,
-        sessions: SessionLog,
+        sessions: SessionLogClient,
         leases: SessionLeases,
         turns: Turns,
         crash_limit: int,
@@ -72,10 +71,8 @@ class SessionWork:
         A session the log does not know (a forged input named it) stays empty.
         """
         try:
-            events = await self._log.events_after(conv.session_id, conv.last_seq)
-        except CommandFailed as exc:
-            if exc.code != ErrorCode.SESSION_NOT_FOUND:
-                raise
+            events = await self._log.events(conv.session_id, conv.last_seq)
+        except SessionNotFound:
             return conv
         for event in events:
             conv = rules.apply(conv, event)
@@ -108,7 +105,8 @@ class SessionWork:
                 f"{exc!r}"
             )
             log.error("criativo_actor_crashing", session_id=str(event.session_id), reason=reason)
-            await self._log.terminate(event.session_id, reason)
+            with contextlib.suppress(SessionClosed):  # already ended: it stays as it is
+                await self._log.terminate(event.session_id, reason)
             return await self.catch_up(conv)
 
     async def _handle(self, conv: Conversation, event: Event) -> Conversation:
@@ -135,14 +133,15 @@ class SessionWork:
 
             async def record(rule: BusinessRule, tool_use_id: str) -> UUID:
                 # One tool call, one artifact: a replayed turn repeats the tool_use id.
-                return await self._log.append(
+                appended = await self._log.append(
                     conv.session_id,
                     EventType.ARTIFACT_BUSINESS_RULE,
                     rules.CRIATIVO_ACTOR,
                     rule,
-                    message_id,
-                    f"criativo:rule:{message_id}:{tool_use_id}",
+                    causation_id=message_id,
+                    idempotency_key=f"criativo:rule:{message_id}:{tool_use_id}",
                 )
+                return appended.event_id
 
             run = self._turns.criativo(conv, message_id, record)
         elif action is Action.ANSWER_PLAINLY:
@@ -168,13 +167,13 @@ class SessionWork:
             usage=outcome.turn_usage(),
             stopped=outcome.stopped,
         )
-        response_id = await self._log.append(
+        appended = await self._log.append(
             conv.session_id,
             EventType.AGENT_RESPONSE,
             f"agent:{agent}",
             response,
-            message_id,
-            f"{agent}:response:{message_id}",
+            causation_id=message_id,
+            idempotency_key=f"{agent}:response:{message_id}",
         )
         await self._done(
             conv,
@@ -182,7 +181,7 @@ class SessionWork:
                 agent=agent,
                 causation_id=message_id,
                 turn_ids=outcome.turn_ids,
-                response_id=response_id,
+                response_id=appended.event_id,
             ),
         )
 
@@ -196,8 +195,8 @@ class SessionWork:
             EventType.AGENT_ERROR,
             f"agent:{agent}",
             AgentError(agent=agent, code=exc.code, reason=rules.readable_reason(exc.code)),
-            cause,
-            f"{agent}:error:{cause}",
+            causation_id=cause,
+            idempotency_key=f"{agent}:error:{cause}",
         )
         await self._done(
             conv,
@@ -220,14 +219,15 @@ class SessionWork:
                 await self._failed(conv, rules.CRIATIVO, readiness_id, exc)
                 return await self.catch_up(conv)
             brief = rules.brief_from_reply(outcome.text, conv)
-            brief_id = await self._log.append(
+            appended = await self._log.append(
                 conv.session_id,
                 EventType.ARTIFACT_PRODUCT_BRIEF,
                 rules.CRIATIVO_ACTOR,
                 brief,
-                readiness_id,
-                f"criativo:brief:{readiness_id}",
+                causation_id=readiness_id,
+                idempotency_key=f"criativo:brief:{readiness_id}",
             )
+            brief_id = appended.event_id
             turn_ids = outcome.turn_ids
         elif action is Action.OFFER_EXISTING_BRIEF:
             brief_id = conv.briefs[readiness_id]

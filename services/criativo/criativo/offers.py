@@ -76,8 +76,8 @@ class OfferSender:
         return [await self._settle(row, result) for row, result in zip(rows, results, strict=True)]
 
     async def _settle(self, row: OutboxRow, result: Delivery) -> Delivery:
-        refused = f"{ErrorCode.AGENTE_JA_ATIVO.value}: "
-        if not (result.permanent and result.error and result.error.startswith(refused)):
+        refusal = result.refusal
+        if not (result.permanent and refusal and refusal.code == ErrorCode.AGENTE_JA_ATIVO):
             return result
         offer = OfferHandoff.model_validate_json(row.body)
         notice = AppendEvent(
@@ -87,7 +87,7 @@ class OfferSender:
             payload=AgentError(
                 agent=CRIATIVO,
                 code=ErrorCode.AGENTE_JA_ATIVO.value,
-                reason=result.error[len(refused) :],
+                reason=refusal.message,
             ).model_dump(mode="json"),
             causation_id=offer.artifact_id,
             idempotency_key=f"{row.msg_id}:refused",

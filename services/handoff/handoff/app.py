@@ -11,6 +11,7 @@ from handoff.repository import HandoffRepository
 from servicekit.consumer import ConsumerSpec, DurableConsumer
 from servicekit.outbox import LogAppender, OutboxRelay
 from servicekit.runtime import open_runtime, run_service, wait_until_stopped
+from servicekit.sessionlog import SessionLogClient
 from servicekit.settings import ServiceSettings
 
 SCHEMA = "handoff"
@@ -29,7 +30,7 @@ async def main(settings: ServiceSettings | None = None) -> None:
     settings = settings or ServiceSettings()
     async with open_runtime(SERVICE, SCHEMA, ["handoff.migrations"], settings) as rt:
         repo = HandoffRepository(rt.pool)
-        endpoints = build_endpoints(repo, SessionDirectory(rt.nc))
+        endpoints = build_endpoints(repo, SessionDirectory(SessionLogClient(rt.nc)))
         service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)
         relay = OutboxRelay(
             rt.pool, LogAppender(rt.nc), settings.outbox_batch, settings.outbox_poll_seconds

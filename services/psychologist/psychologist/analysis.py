@@ -40,9 +40,9 @@ from domain.psychologist import (
 from harness import Halt, LoopContext, LoopResult, MeteringClient, Tool, ToolLoop, ToolResult
 from psychologist.context import AnalysisContext, render, system_prompt
 from psychologist.repository import AnalysisRow, PsychologistRepository
-from psychologist.sessionlog import SessionLog
 from servicekit.faults import crash_point
 from servicekit.logs import get_logger
+from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
 
@@ -104,13 +104,15 @@ def run_id_for(session_id: UUID, triggered_by: TriggeredBy) -> str:
     return f"psychologist.{session_id}.manual.{uuid4().hex}"
 
 
-def emit_hypotheses_tool(log_: SessionLog, session_id: UUID, termination: Termination) -> Tool:
+def emit_hypotheses_tool(
+    log_: SessionLogClient, session_id: UUID, termination: Termination
+) -> Tool:
     """Decision 3: resolve every cited id in the log, let the domain judge the whole batch;
     a refusal goes back to the model verbatim for its next iteration."""
 
     async def handler(call: ToolUseBlock) -> ToolResult:
         batch = call.input
-        owners = await log_.owners(cited_event_ids(batch))
+        owners = {e.id: e.session_id for e in await log_.get(cited_event_ids(batch))}
         try:
             accepted = validate_hypothesis_batch(batch, session_id, owners, termination)
         except DomainError as exc:
@@ -153,7 +155,7 @@ class Analyst:
     def __init__(
         self,
         repo: PsychologistRepository,
-        log_: SessionLog,
+        log_: SessionLogClient,
         client: MeteringClient,
         max_tokens: int = 4096,
     ) -> None:
@@ -167,7 +169,7 @@ class Analyst:
         """Read everything the analysis is given and decide its tier."""
         session = await self._log.session(session_id)
         events = await self._log.events(session_id)
-        rules = await self._log.business_rules(session.project_id)
+        rules = await self._log.query(session.project_id, [EventType.ARTIFACT_BUSINESS_RULE])
         earlier = await self._repo.earlier_hypotheses(session.project_id, session_id)
         termination = classify_termination(session.termination_reason)
         # The psychologist's own events (a reanalysed session holds the last analysis's)

@@ -11,10 +11,10 @@ from harness import MeteringClient
 from psychologist.analysis import Analyst
 from psychologist.handlers import CONSUMER, SERVICE, build_endpoints, session_closings
 from psychologist.repository import PsychologistRepository
-from psychologist.sessionlog import SessionLog
 from servicekit.consumer import ConsumerSpec, DurableConsumer
 from servicekit.outbox import LogAppender, OutboxRelay
 from servicekit.runtime import open_runtime, run_service, wait_until_stopped
+from servicekit.sessionlog import SessionLogClient
 from servicekit.settings import ServiceSettings
 
 SCHEMA = "psychologist"
@@ -52,7 +52,7 @@ async def main(settings: PsychologistSettings | None = None) -> None:
     settings = settings or PsychologistSettings()
     async with open_runtime(SERVICE, SCHEMA, ["psychologist.migrations"], settings) as rt:
         repo = PsychologistRepository(rt.pool)
-        log_ = SessionLog(rt.nc)
+        log_ = SessionLogClient(rt.nc)
         analyst = Analyst(repo, log_, MeteringClient(rt.nc), settings.max_tokens)
         endpoints = build_endpoints(repo, log_, analyst)
         service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)

@@ -30,11 +30,11 @@ from domain.psychologist import HypothesisStatus
 from psychologist import lifecycle
 from psychologist.analysis import Analyst, Retry
 from psychologist.repository import PsychologistRepository
-from psychologist.sessionlog import SessionLog
 from servicekit.consumer import Handler, Permanent
 from servicekit.endpoint import Endpoints
 from servicekit.logs import get_logger
 from servicekit.provenance import confirm
+from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
 
@@ -42,7 +42,9 @@ SERVICE = "psychologist"
 VERSION = "0.1.0"
 
 
-def build_endpoints(repo: PsychologistRepository, log_: SessionLog, analyst: Analyst) -> Endpoints:
+def build_endpoints(
+    repo: PsychologistRepository, log_: SessionLogClient, analyst: Analyst
+) -> Endpoints:
     """Every command of the psychologist service."""
     api = Endpoints(SERVICE, VERSION, "The Psicólogo: closed sessions analysed into hypotheses.")
 

@@ -1,0 +1,189 @@
+"""The session log as every other service asks it: one client, one page size, one
+mapping of the log's refusals.
+
+No service reads another's tables (DESIGN, "Services"), so Criativo, handoff, the
+psychologist and the kit's own provenance check read and write the log through these
+commands. What they share lives here once:
+- reads of a whole session or of many ids are paged at the log's own limit
+  (`EVENTS_PAGE_MAX`, from the contracts), with the longer timeout a full page needs;
+- the refusals a caller branches on are types: `SessionNotFound` and `SessionClosed`,
+  both `DomainError`s, so a command handler that meets one replies with it unchanged.
+  `session()` passes any other refusal on the same way (a handler asking "which session
+  is this" answers with what the log said); the other calls raise `CommandFailed`,
+  which carries the log's code, message and details as values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from uuid import UUID
+
+from nats.aio.client import Client
+from pydantic import BaseModel
+
+from contracts import subjects
+from contracts.common import ErrorCode, Message
+from contracts.events import Event, EventType
+from contracts.session_events import (
+    EVENTS_PAGE_MAX,
+    AppendedReply,
+    AppendEvent,
+    CloseSession,
+    EventsReply,
+    GetEvents,
+    ListEvents,
+    OpenSession,
+    QueryEvents,
+    SessionClosedReply,
+    SessionOpenedReply,
+    SessionRef,
+    SessionView,
+    TerminateSession,
+)
+from domain.errors import DomainError
+from servicekit.client import CommandFailed, Rep, call
+
+# A page of `EVENTS_PAGE_MAX` events is a much larger reply than a command's usual one.
+READ_TIMEOUT_SECONDS = 30.0
+COMMAND_TIMEOUT_SECONDS = 5.0
+# `TerminateSession.reason`'s limit: a longer reason (a crash's repr) is cut, not refused.
+MAX_REASON_CHARS = 4000
+
+
+class SessionNotFound(DomainError):
+    """The log does not know the session (`session_not_found`)."""
+
+
+class SessionClosed(DomainError):
+    """The session is closed and the log refused what needs it open (`session_closed`)."""
+
+
+_TYPED: dict[str, type[DomainError]] = {
+    ErrorCode.SESSION_NOT_FOUND.value: SessionNotFound,
+    ErrorCode.SESSION_CLOSED.value: SessionClosed,
+}
+
+
+def typed_refusal(failure: CommandFailed) -> DomainError | None:
+    """The typed exception for a refusal callers branch on, or None for any other."""
+    kind = _TYPED.get(failure.code)
+    return None if kind is None else kind(failure.code, failure.message, **failure.details)
+
+
+class SessionLogClient:
+    """The commands of `session_events`, as the other services use them."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+
+    async def _call(
+        self,
+        subject: str,
+        request: BaseModel,
+        reply_model: type[Rep],
+        timeout: float = COMMAND_TIMEOUT_SECONDS,
+    ) -> Rep:
+        try:
+            return await call(self._nc, subject, request, reply_model, timeout=timeout)
+        except CommandFailed as failure:
+            typed = typed_refusal(failure)
+            if typed is None:
+                raise
+            raise typed from None
+
+    async def open(self, project_id: str, opened_by: str) -> SessionOpenedReply:
+        """Open a session in a project."""
+        return await self._call(
+            subjects.SESSIONS_OPEN,
+            OpenSession(project_id=project_id, opened_by=opened_by),
+            SessionOpenedReply,
+        )
+
+    async def session(self, session_id: UUID) -> SessionView:
+        """The session's state; every refusal is raised as a `DomainError`."""
+        try:
+            return await self._call(
+                subjects.SESSIONS_GET, SessionRef(session_id=session_id), SessionView
+            )
+        except CommandFailed as failure:
+            raise failure.refusal() from None
+
+    async def close(self, session_id: UUID, closed_by: str | None = None) -> SessionClosedReply:
+        """End the session normally; `SessionClosed` when it has already ended."""
+        return await self._call(
+            subjects.SESSIONS_CLOSE,
+            CloseSession(session_id=session_id, closed_by=closed_by),
+            SessionClosedReply,
+        )
+
+    async def terminate(self, session_id: UUID, reason: str) -> SessionClosedReply:
+        """End the session abnormally with `reason`; `SessionClosed` when it has already ended."""
+        return await self._call(
+            subjects.SESSIONS_TERMINATE,
+            TerminateSession(session_id=session_id, reason=reason[:MAX_REASON_CHARS]),
+            SessionClosedReply,
+        )
+
+    async def append(
+        self,
+        session_id: UUID,
+        event_type: EventType,
+        actor: str,
+        payload: Message,
+        *,
+        causation_id: UUID | None = None,
+        idempotency_key: str | None = None,
+    ) -> AppendedReply:
+        """Append one event; a repeated idempotency key returns the event first written."""
+        return await self._call(
+            subjects.EVENTS_APPEND,
+            AppendEvent(
+                session_id=session_id,
+                type=event_type.value,
+                actor=actor,
+                payload=payload.model_dump(mode="json"),
+                causation_id=causation_id,
+                idempotency_key=idempotency_key,
+            ),
+            AppendedReply,
+        )
+
+    async def events(self, session_id: UUID, after_seq: int = 0) -> list[Event]:
+        """Every event of the session after `after_seq`, in `seq` order, page by page."""
+        events: list[Event] = []
+        while True:
+            reply = await self._call(
+                subjects.EVENTS_LIST,
+                ListEvents(session_id=session_id, after_seq=after_seq, limit=EVENTS_PAGE_MAX),
+                EventsReply,
+                timeout=READ_TIMEOUT_SECONDS,
+            )
+            events.extend(reply.events)
+            if len(reply.events) < EVENTS_PAGE_MAX:
+                return events
+            after_seq = reply.events[-1].seq
+
+    async def get(
+        self, event_ids: Sequence[UUID], *, timeout: float = READ_TIMEOUT_SECONDS
+    ) -> list[Event]:
+        """The events of these ids the log holds (unknown ids are left out), page by page."""
+        events: list[Event] = []
+        for start in range(0, len(event_ids), EVENTS_PAGE_MAX):
+            reply = await self._call(
+                subjects.EVENTS_GET,
+                GetEvents(event_ids=list(event_ids[start : start + EVENTS_PAGE_MAX])),
+                EventsReply,
+                timeout=timeout,
+            )
+            events.extend(reply.events)
+        return events
+
+    async def query(self, project_id: str, types: Sequence[EventType]) -> list[Event]:
+        """The project's events of these types, oldest first (the log's default limit)."""
+        reply = await self._call(
+            subjects.EVENTS_QUERY,
+            QueryEvents(project_id=project_id, types=[t.value for t in types]),
+            EventsReply,
+            timeout=READ_TIMEOUT_SECONDS,
+        )
+        return reply.events
