@@ -1,7 +1,9 @@
 """The transactional outbox and its relay.
 
-A service writes its state change and an outbox row in one transaction
-(`enqueue`, `enqueue_append`). The relay claims committed rows with
+A service writes its state change and an outbox row in one transaction: through
+`Outbox` (`tx.outbox.append(event)` for the session log, `tx.outbox.send(...)` for any
+other subject), or, to write the effect and its row in one statement, through
+`queue_statement` (the same insert, as the tail of a `WITH`). The relay claims committed rows with
 `FOR UPDATE SKIP LOCKED`, hands them to its sender, and deletes each row in the same
 transaction once it was delivered. A crash before that commit sends the row again:
 JetStream drops the copy inside its duplicate window (`Nats-Msg-Id`), the log drops
@@ -138,12 +140,31 @@ def append_args(event: AppendEvent) -> list[Any]:
     )
 
 
-async def enqueue_append(conn: Connection, event: AppendEvent) -> None:
-    """Record an event to append to the session log once the caller's transaction commits.
+class Outbox:
+    """The outbox of the caller's transaction: rows written here are delivered once it
+    commits, and never if it rolls back."""
 
-    The event's idempotency key is required: it makes a repeated append a no-op.
-    """
-    await conn.execute(f"WITH {queue_statement(1)}", *append_args(event))
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    async def append(self, event: AppendEvent) -> None:
+        """Append `event` to the session log after commit, in its session's order.
+
+        Its idempotency key is required: it makes a repeated append a no-op. An event
+        the log would refuse raises `DomainError` now (`check_appendable`)."""
+        await self._conn.execute(f"WITH {queue_statement(1)}", *append_args(event))
+
+    async def send(
+        self,
+        subject: str,
+        msg_id: str,
+        body: bytes,
+        headers: Mapping[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> None:
+        """Deliver `body` on `subject` after commit (published, or sent as a command,
+        as the relay's sender does), deduplicated by `msg_id`."""
+        await enqueue(self._conn, subject, msg_id, body, headers, ordering_key)
 
 
 @dataclass(frozen=True)

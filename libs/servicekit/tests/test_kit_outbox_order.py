@@ -29,10 +29,10 @@ from servicekit.outbox import (
     Delivery,
     JetStreamPublisher,
     LogAppender,
+    Outbox,
     OutboxRelay,
     OutboxRow,
     enqueue,
-    enqueue_append,
 )
 from servicekit.testing import stream_messages
 
@@ -165,8 +165,7 @@ async def enqueue_appends(pool: asyncpg.Pool, *events: tuple[uuid.UUID, str]) ->
     """Commit one `chat.message` per (session, idempotency key), in this order."""
     async with pool.acquire() as conn, conn.transaction():
         for session_id, key in events:
-            await enqueue_append(
-                conn,
+            await Outbox(conn).append(
                 AppendEvent(
                     session_id=session_id,
                     type="chat.message",
@@ -273,7 +272,7 @@ async def test_an_event_for_the_log_needs_an_idempotency_key(pool: asyncpg.Pool)
     )
     async with pool.acquire() as conn:
         with pytest.raises(ValueError, match="idempotency_key"):
-            await enqueue_append(conn, event)
+            await Outbox(conn).append(event)
     assert await waiting(pool) == []
 
 
@@ -311,7 +310,7 @@ async def test_an_event_the_log_would_refuse_is_refused_before_anything_commits(
     with pytest.raises(DomainError) as refusal:
         async with pool.acquire() as conn, conn.transaction():
             await claim_once(conn, "kit-tests", "the-effect")
-            await enqueue_append(conn, event)
+            await Outbox(conn).append(event)
 
     assert refusal.value.code == code
     assert await waiting(pool) == []
