@@ -1,14 +1,14 @@
 """The transactional outbox and its relay.
 
-A service writes its state change and an outbox row in one transaction: through
-`Outbox` (`tx.outbox.append(event)` for the session log, `tx.outbox.send(...)` for any
-other subject), or, to write the effect and its row in one statement, through
-`queue_statement` (the same insert, as the tail of a `WITH`). The relay claims committed rows with
-`FOR UPDATE SKIP LOCKED`, hands them to its sender, and deletes each row in the same
-transaction once it was delivered. A crash before that commit sends the row again:
-JetStream drops the copy inside its duplicate window (`Nats-Msg-Id`), the log drops
-it by idempotency key, and consumers are idempotent beyond both. `LISTEN/NOTIFY`
-wakes the relay early; polling is what guarantees progress.
+A service writes its state change and an outbox row in one transaction, always
+through `Outbox`: `tx.outbox.append(event)` for the session log, `send(...)` for any
+other subject, `append_with`/`send_with` to write the row in the very statement of
+the effect. The relay claims committed rows with `FOR UPDATE SKIP LOCKED`, hands
+them to its sender, and deletes each row in the same transaction once it was
+delivered. A crash before that commit sends the row again: JetStream drops the copy
+inside its duplicate window (`Nats-Msg-Id`), the log drops it by idempotency key, and
+consumers are idempotent beyond both. `LISTEN/NOTIFY` wakes the relay early; polling
+is what guarantees progress.
 
 Order: rows sharing an `ordering_key` (a session id) are delivered in the order they
 were written — across retries and across relay replicas. A key whose oldest row is
@@ -61,14 +61,13 @@ MAX_INTERNAL_ATTEMPTS = 8
 DEAD_LETTERS: Counter[str] = Counter()
 
 
-def queue_statement(first: int, returning: str = "") -> str:
+def _queue_statement(first: int, returning: str = "") -> str:
     """The outbox insert (and its wake-up notify) as the tail of a `WITH`, parameters
-    `$first`..`$first+5` (see `queue_args`).
+    `$first`..`$first+5` (see `_queue_args`).
 
-    Put your own data-modifying CTEs before it, and the effect and its outbox row are
-    written in one round trip: `WITH effect AS (…), {queue_statement(n + 1)}`. To read
-    the effect's `RETURNING` rows back, name them: `returning="effect"` selects
-    `effect.*` (the statement then returns one row per effect row).
+    With data-modifying CTEs before it (`Outbox.append_with`), the effect and its
+    outbox row are written in one round trip. To read the effect's `RETURNING` rows
+    back, name them: `returning="effect"` selects `effect.*`.
     """
     p = [f"${first + i}" for i in range(6)]
     # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
@@ -80,14 +79,14 @@ def queue_statement(first: int, returning: str = "") -> str:
     )
 
 
-def queue_args(
+def _queue_args(
     subject: str,
     msg_id: str,
     body: bytes,
     headers: Mapping[str, str] | None = None,
     ordering_key: str | None = None,
 ) -> list[Any]:
-    """The parameters of `queue_statement`, in order; the trace context is added here."""
+    """The parameters of `_queue_statement`, in order; the trace context is added here."""
     return [
         subject,
         msg_id,
@@ -96,21 +95,6 @@ def queue_args(
         ordering_key,
         NOTIFY_CHANNEL,
     ]
-
-
-async def enqueue(
-    conn: Connection,
-    subject: str,
-    msg_id: str,
-    body: bytes,
-    headers: Mapping[str, str] | None = None,
-    ordering_key: str | None = None,
-) -> None:
-    """Record a message to deliver once the caller's transaction commits."""
-    await conn.execute(
-        f"WITH {queue_statement(1)}",
-        *queue_args(subject, msg_id, body, headers, ordering_key),
-    )
 
 
 def check_appendable(event: AppendEvent) -> None:
@@ -126,13 +110,13 @@ def check_appendable(event: AppendEvent) -> None:
     log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
 
 
-def append_args(event: AppendEvent) -> list[Any]:
-    """`queue_args` for an event to append to the session log (see `enqueue_append`);
+def _append_args(event: AppendEvent) -> list[Any]:
+    """`_queue_args` for an event to append to the session log (see `Outbox.append`);
     raises `DomainError` for an event the log would refuse (`check_appendable`)."""
     if event.idempotency_key is None:
         raise ValueError("an event appended through the outbox needs an idempotency_key")
     check_appendable(event)
-    return queue_args(
+    return _queue_args(
         subjects.EVENTS_APPEND,
         event.idempotency_key,
         event.model_dump_json().encode(),
@@ -141,8 +125,15 @@ def append_args(event: AppendEvent) -> list[Any]:
 
 
 class Outbox:
-    """The outbox of the caller's transaction: rows written here are delivered once it
-    commits, and never if it rolls back."""
+    """The outbox of the caller's transaction — the one way a service writes an outbox
+    row. Rows written here are delivered once the transaction commits, and never if it
+    rolls back.
+
+    `append`/`send` write the row alone; `append_with`/`send_with` write it in the
+    same statement as the caller's own effect (data-modifying CTEs): one round trip
+    while a lock is held, which is why the log and the handoffs use them
+    (bench/append.py measures it).
+    """
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -152,7 +143,7 @@ class Outbox:
 
         Its idempotency key is required: it makes a repeated append a no-op. An event
         the log would refuse raises `DomainError` now (`check_appendable`)."""
-        await self._conn.execute(f"WITH {queue_statement(1)}", *append_args(event))
+        await self._conn.execute(f"WITH {_queue_statement(1)}", *_append_args(event))
 
     async def send(
         self,
@@ -164,7 +155,43 @@ class Outbox:
     ) -> None:
         """Deliver `body` on `subject` after commit (published, or sent as a command,
         as the relay's sender does), deduplicated by `msg_id`."""
-        await enqueue(self._conn, subject, msg_id, body, headers, ordering_key)
+        await self._conn.execute(
+            f"WITH {_queue_statement(1)}",
+            *_queue_args(subject, msg_id, body, headers, ordering_key),
+        )
+
+    async def append_with(
+        self, effect: str, args: Sequence[Any], event: AppendEvent, returning: str = ""
+    ) -> dict[str, Any] | None:
+        """`append`, in one statement with `effect`: CTEs (`name AS (…)`, parameters
+        `$1`..`$len(args)`). With `returning`, the row of that CTE comes back."""
+        return await self._with(effect, args, _append_args(event), returning)
+
+    async def send_with(
+        self,
+        effect: str,
+        args: Sequence[Any],
+        subject: str,
+        msg_id: str,
+        body: bytes,
+        ordering_key: str | None = None,
+        returning: str = "",
+    ) -> dict[str, Any] | None:
+        """`send`, in one statement with `effect` (as `append_with`)."""
+        queued = _queue_args(subject, msg_id, body, ordering_key=ordering_key)
+        return await self._with(effect, args, queued, returning)
+
+    async def _with(
+        self, effect: str, args: Sequence[Any], queued: list[Any], returning: str
+    ) -> dict[str, Any] | None:
+        row = await self._conn.fetchrow(
+            f"WITH {effect}, {_queue_statement(len(args) + 1, returning)}", *args, *queued
+        )
+        if row is None:
+            return None
+        fields = dict(row)
+        fields.pop("pg_notify", None)  # the wake-up, not the caller's
+        return fields
 
 
 @dataclass(frozen=True)

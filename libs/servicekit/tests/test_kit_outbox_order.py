@@ -32,7 +32,6 @@ from servicekit.outbox import (
     Outbox,
     OutboxRelay,
     OutboxRow,
-    enqueue,
 )
 from servicekit.testing import stream_messages
 
@@ -43,7 +42,7 @@ async def enqueue_committed(pool: asyncpg.Pool, *rows: tuple[str, str, str | Non
     """Commit (subject, msg_id, ordering_key) rows, in this order, in one transaction."""
     async with pool.acquire() as conn, conn.transaction():
         for subject, msg_id, key in rows:
-            await enqueue(conn, subject, msg_id, b"{}", ordering_key=key)
+            await Outbox(conn).send(subject, msg_id, b"{}", ordering_key=key)
 
 
 async def published_ids(nc: Client, stream: tuple[str, str]) -> list[str]:
@@ -125,8 +124,8 @@ async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
     stream = await make_stream(max_msg_size=1024)
     _, prefix = stream
     async with pool.acquire() as conn, conn.transaction():
-        await enqueue(conn, f"{prefix}.a", "k-1", b"x" * 2048, ordering_key="K")
-        await enqueue(conn, f"{prefix}.a", "k-2", b"{}", ordering_key="K")
+        await Outbox(conn).send(f"{prefix}.a", "k-1", b"x" * 2048, ordering_key="K")
+        await Outbox(conn).send(f"{prefix}.a", "k-2", b"{}", ordering_key="K")
 
     await OutboxRelay(pool, JetStreamPublisher(js)).drain_once()
 
@@ -332,7 +331,9 @@ async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_b
     try:
         for schema, p in pools.items():
             async with p.acquire() as conn, conn.transaction():
-                await enqueue(conn, f"{prefix}.{schema}", f"{schema}-1", b"{}", ordering_key="S")
+                await Outbox(conn).send(
+                    f"{prefix}.{schema}", f"{schema}-1", b"{}", ordering_key="S"
+                )
         async with pools["svc_a"].acquire() as holder, holder.transaction():
             # svc_a's relay is in the middle of delivering session S (its claim holds
             # whatever lock the relay takes for the key) ...
