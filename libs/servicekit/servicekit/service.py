@@ -105,12 +105,14 @@ class _CommandDecl:
 def message_model(handler: Callable[..., Any]) -> type[BaseModel]:
     """The model of a handler's first parameter, read off its signature."""
     first = next(iter(inspect.signature(handler).parameters), None)
-    hints = typing.get_type_hints(handler)
-    model = hints.get(first) if first is not None else None
+    try:
+        model = typing.get_type_hints(handler).get(first) if first is not None else None
+    except NameError:  # an annotation imported only for type checking
+        model = None
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         raise TypeError(
-            f"{handler.__qualname__}: annotate its first parameter with the message model, "
-            "or name the model in the decorator"
+            f"{handler.__qualname__}: annotate its first parameter with the message model "
+            "(imported at run time), or name the model in the decorator"
         )
     return model
 

@@ -295,3 +295,19 @@ def test_a_spec_made_from_settings_is_made_when_served() -> None:
     made = svc.subscriptions[0].spec_for(ServiceSettings(outbox_batch=7))
     assert (made.durable, made.batch) == ("toy-durable", 7)
     assert svc.subscriptions[0].model is Note
+
+
+def test_a_handler_whose_message_is_not_a_model_is_refused_when_declared() -> None:
+    svc = Service("toy", "1.0.0", "A toy service.", schema=KIT_SCHEMA)
+
+    async def untyped(cmd: dict[str, int]) -> Sum:
+        return Sum(total=0)
+
+    try:
+        svc.command("cmd.toy.untyped")(untyped)
+    except TypeError as exc:
+        assert "first parameter" in str(exc)
+    else:
+        raise AssertionError("declared a command without a request model")
+    svc.command("cmd.toy.untyped", Add)(untyped)  # named in the decorator: fine
+    assert [(c.subject, c.request) for c in svc.commands] == [("cmd.toy.untyped", Add)]
