@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import asyncpg
+import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -311,3 +312,38 @@ def test_a_handler_whose_message_is_not_a_model_is_refused_when_declared() -> No
         raise AssertionError("declared a command without a request model")
     svc.command("cmd.toy.untyped", Add)(untyped)  # named in the decorator: fine
     assert [(c.subject, c.request) for c in svc.commands] == [("cmd.toy.untyped", Add)]
+
+
+def test_held_messages_are_reported_in_progress_well_within_backoff_and_ack_wait() -> None:
+    spec = ConsumerSpec("d", "S", ["a.>"], backoff=[3.0, 10.0])
+    assert spec.keep_alive_interval == 1.0
+    assert ConsumerSpec("d", "S", ["a.>"], backoff=[3.0], ack_wait=0.6).keep_alive_interval == (
+        pytest.approx(0.2)
+    )
+    assert spec.config().ack_wait is None  # the server's default unless asked
+    assert ConsumerSpec("d", "S", ["a.>"], ack_wait=30.0).config().ack_wait == 30.0
+
+
+async def test_workers_pull_the_same_durable_side_by_side(
+    js: JetStreamContext, stream: tuple[str, str], serve: Serve
+) -> None:
+    _, prefix = stream
+    spec = spec_for(stream, batch=1, workers=2)
+    svc = Service(f"toy_{uuid.uuid4().hex[:8]}", "1.0.0", "A toy service.", schema=KIT_SCHEMA)
+    holding: list[int] = []
+    both = asyncio.Event()
+
+    @svc.subscribe(spec)
+    async def noted(note: Note) -> None:
+        holding.append(note.n)
+        if len(holding) == 2:
+            both.set()
+        await both.wait()  # only two pullers at once can get past this
+
+    await serve(svc)
+    for n in (1, 2):
+        session = uuid.uuid4()
+        await publish(js, f"{prefix}.n.p.{session}", Note(session_id=session, n=n), f"w-{n}")
+
+    await wait_for(lambda: settled(js, spec, 2), what="both notes acked")
+    assert sorted(holding) == [1, 2]
