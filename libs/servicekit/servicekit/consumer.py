@@ -11,8 +11,12 @@ The rules (DESIGN.md, "Rules learned the hard way"):
 - an ack can arrive after AckWait, when the message was already redelivered, so the
   handler must be idempotent: `claim_once` in the same transaction as the effect.
 
-Messages are handled one at a time, in stream order. Concurrency across sessions
-belongs to the service (per-session actors), not to an over-fetching worker pool.
+Messages are handled one at a time, in stream order — or, with `ordering_key`, one at a
+time per key (a session) and concurrently across keys: concurrency across sessions
+without an over-fetching worker pool (DESIGN.md: FastStream's issue #2563). Either way
+every message fetched and not yet settled is kept in progress (`_keep_alive`, the one
+keep-alive of the code base), so a long handler, or a message waiting behind its
+session's earlier ones, is not redelivered to another replica meanwhile.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from servicekit.telemetry import span_from_headers
 log = get_logger(__name__)
 
 Handler = Callable[[Msg], Awaitable[None]]
+# The key of a message's lane: messages of one key are handled in stream order.
+OrderingKey = Callable[[Msg], str]
 
 
 class Permanent(Exception):
@@ -58,6 +64,11 @@ class ConsumerSpec:
     backoff: list[float] = field(default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0])
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL
     batch: int = 32
+    # The server's AckWait (its default, 30 s, when None). With BackOff set, a message
+    # held unacknowledged is redelivered after its backoff step, not after AckWait.
+    ack_wait: float | None = None
+    # Pullers of this durable per replica, each handling one fetched batch at a time.
+    workers: int = 1
 
     def config(self) -> ConsumerConfig:
         """The server-side configuration: explicit acks, bounded deliveries, backoff."""
@@ -69,7 +80,15 @@ class ConsumerSpec:
             max_deliver=self.max_deliver,
             backoff=list(self.backoff[: self.max_deliver - 1]),
             max_ack_pending=1000,
+            ack_wait=self.ack_wait,
         )
+
+    @property
+    def keep_alive_interval(self) -> float:
+        """How often a held message is reported in progress: well within both the backoff
+        step (the server's redelivery time with BackOff) and AckWait."""
+        limit = min(self.backoff[0], self.ack_wait or self.backoff[0])
+        return max(limit / 3, 0.05)
 
     def delay_after(self, deliveries: int) -> float:
         """The nak delay after the `deliveries`-th failed attempt."""
@@ -96,12 +115,20 @@ class DurableConsumer:
         pool: asyncpg.Pool,
         spec: ConsumerSpec,
         handler: Handler,
+        ordering_key: OrderingKey | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
         self._pool = pool
         self.spec = spec
         self._handler = handler
+        self._ordering_key = ordering_key
+        # Fetched and not settled yet, by identity (a `Msg` is not hashable): kept in
+        # progress until acked, nak'ed or termed.
+        self._held: dict[int, Msg] = {}
+        # Per key, the task of its latest message (lanes, with `ordering_key`).
+        self._lanes: dict[str, asyncio.Task[None]] = {}
+        self._inflight: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         """Create or update the consumer, then handle messages until cancelled."""
@@ -111,6 +138,7 @@ class DurableConsumer:
             cb=self._on_max_deliveries,
         )
         sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
+        keepalive = asyncio.create_task(self._keep_alive())
         try:
             while True:
                 raise_if_cancelling()
@@ -118,34 +146,59 @@ class DurableConsumer:
                     msgs = await sub.fetch(self.spec.batch, timeout=1.0)
                 except (NatsTimeoutError, TimeoutError):
                     continue
-                await self._handle_batch(msgs)
+                self._held.update((id(m), m) for m in msgs)
+                if self._ordering_key is None:
+                    await self._handle_batch(msgs)
+                else:
+                    for msg in msgs:
+                        self._dispatch(msg, self._ordering_key(msg))
         finally:
+            keepalive.cancel()
+            for task in list(self._inflight):
+                task.cancel()
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
                 await sub.unsubscribe()
 
     async def _handle_batch(self, msgs: list[Msg]) -> None:
-        """Handle the fetched messages in order, keeping the waiting ones alive meanwhile.
+        """Handle the fetched messages in order (the waiting ones are kept alive)."""
+        for msg in msgs:
+            raise_if_cancelling()
+            await self._handle_held(msg)
 
-        With BackOff set, JetStream's ack wait is `backoff[0]`: a handler that runs longer
-        (an LLM turn, an analysis) would see its message redelivered — to another
-        replica — while it still works, unless `in_progress` resets the timer.
-        """
-        waiting = list(msgs)
-        keepalive = asyncio.create_task(self._keep_alive(waiting))
+    def _dispatch(self, msg: Msg, key: str) -> None:
+        """Queue `msg` behind the latest message of its key; other keys do not wait."""
+        previous = self._lanes.get(key)
+        task = asyncio.create_task(self._after(previous, msg))
+        self._lanes[key] = task
+        self._inflight.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._inflight.discard(t)
+            if self._lanes.get(key) is t:
+                del self._lanes[key]
+
+        task.add_done_callback(done)
+
+    async def _after(self, previous: asyncio.Task[None] | None, msg: Msg) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # its outcome is its own; only its end matters
+        await self._handle_held(msg)
+
+    async def _handle_held(self, msg: Msg) -> None:
         try:
-            for msg in msgs:
-                raise_if_cancelling()
-                await self._handle(msg)
-                waiting.remove(msg)
+            await self._handle(msg)
         finally:
-            keepalive.cancel()
+            self._held.pop(id(msg), None)
 
-    async def _keep_alive(self, waiting: list[Msg]) -> None:
-        interval = max(self.spec.backoff[0] / 3, 0.05)
+    async def _keep_alive(self) -> None:
+        """With BackOff set, JetStream's ack wait is `backoff[0]`: a handler that runs longer
+        (an LLM turn, an analysis), or a message waiting for its turn, would be redelivered
+        — to another replica — while it is still held, unless `in_progress` resets the timer.
+        """
         while True:
-            await asyncio.sleep(interval)
-            for msg in list(waiting):
+            await asyncio.sleep(self.spec.keep_alive_interval)
+            for msg in list(self._held.values()):
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 

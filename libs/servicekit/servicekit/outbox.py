@@ -1,12 +1,14 @@
 """The transactional outbox and its relay.
 
-A service writes its state change and an outbox row in one transaction
-(`enqueue`, `enqueue_append`). The relay claims committed rows with
-`FOR UPDATE SKIP LOCKED`, hands them to its sender, and deletes each row in the same
-transaction once it was delivered. A crash before that commit sends the row again:
-JetStream drops the copy inside its duplicate window (`Nats-Msg-Id`), the log drops
-it by idempotency key, and consumers are idempotent beyond both. `LISTEN/NOTIFY`
-wakes the relay early; polling is what guarantees progress.
+A service writes its state change and an outbox row in one transaction, always
+through `Outbox`: `tx.outbox.append(event)` for the session log, `send(...)` for any
+other subject, `append_with`/`send_with` to write the row in the very statement of
+the effect. The relay claims committed rows with `FOR UPDATE SKIP LOCKED`, hands
+them to its sender, and deletes each row in the same transaction once it was
+delivered. A crash before that commit sends the row again: JetStream drops the copy
+inside its duplicate window (`Nats-Msg-Id`), the log drops it by idempotency key, and
+consumers are idempotent beyond both. `LISTEN/NOTIFY` wakes the relay early; polling
+is what guarantees progress.
 
 Order: rows sharing an `ordering_key` (a session id) are delivered in the order they
 were written — across retries and across relay replicas. A key whose oldest row is
@@ -59,14 +61,13 @@ MAX_INTERNAL_ATTEMPTS = 8
 DEAD_LETTERS: Counter[str] = Counter()
 
 
-def queue_statement(first: int, returning: str = "") -> str:
+def _queue_statement(first: int, returning: str = "") -> str:
     """The outbox insert (and its wake-up notify) as the tail of a `WITH`, parameters
-    `$first`..`$first+5` (see `queue_args`).
+    `$first`..`$first+5` (see `_queue_args`).
 
-    Put your own data-modifying CTEs before it, and the effect and its outbox row are
-    written in one round trip: `WITH effect AS (…), {queue_statement(n + 1)}`. To read
-    the effect's `RETURNING` rows back, name them: `returning="effect"` selects
-    `effect.*` (the statement then returns one row per effect row).
+    With data-modifying CTEs before it (`Outbox.append_with`), the effect and its
+    outbox row are written in one round trip. To read the effect's `RETURNING` rows
+    back, name them: `returning="effect"` selects `effect.*`.
     """
     p = [f"${first + i}" for i in range(6)]
     # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
@@ -78,14 +79,14 @@ def queue_statement(first: int, returning: str = "") -> str:
     )
 
 
-def queue_args(
+def _queue_args(
     subject: str,
     msg_id: str,
     body: bytes,
     headers: Mapping[str, str] | None = None,
     ordering_key: str | None = None,
 ) -> list[Any]:
-    """The parameters of `queue_statement`, in order; the trace context is added here."""
+    """The parameters of `_queue_statement`, in order; the trace context is added here."""
     return [
         subject,
         msg_id,
@@ -94,21 +95,6 @@ def queue_args(
         ordering_key,
         NOTIFY_CHANNEL,
     ]
-
-
-async def enqueue(
-    conn: Connection,
-    subject: str,
-    msg_id: str,
-    body: bytes,
-    headers: Mapping[str, str] | None = None,
-    ordering_key: str | None = None,
-) -> None:
-    """Record a message to deliver once the caller's transaction commits."""
-    await conn.execute(
-        f"WITH {queue_statement(1)}",
-        *queue_args(subject, msg_id, body, headers, ordering_key),
-    )
 
 
 def check_appendable(event: AppendEvent) -> None:
@@ -124,13 +110,13 @@ def check_appendable(event: AppendEvent) -> None:
     log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
 
 
-def append_args(event: AppendEvent) -> list[Any]:
-    """`queue_args` for an event to append to the session log (see `enqueue_append`);
+def _append_args(event: AppendEvent) -> list[Any]:
+    """`_queue_args` for an event to append to the session log (see `Outbox.append`);
     raises `DomainError` for an event the log would refuse (`check_appendable`)."""
     if event.idempotency_key is None:
         raise ValueError("an event appended through the outbox needs an idempotency_key")
     check_appendable(event)
-    return queue_args(
+    return _queue_args(
         subjects.EVENTS_APPEND,
         event.idempotency_key,
         event.model_dump_json().encode(),
@@ -138,12 +124,74 @@ def append_args(event: AppendEvent) -> list[Any]:
     )
 
 
-async def enqueue_append(conn: Connection, event: AppendEvent) -> None:
-    """Record an event to append to the session log once the caller's transaction commits.
+class Outbox:
+    """The outbox of the caller's transaction — the one way a service writes an outbox
+    row. Rows written here are delivered once the transaction commits, and never if it
+    rolls back.
 
-    The event's idempotency key is required: it makes a repeated append a no-op.
+    `append`/`send` write the row alone; `append_with`/`send_with` write it in the
+    same statement as the caller's own effect (data-modifying CTEs): one round trip
+    while a lock is held, which is why the log and the handoffs use them
+    (bench/append.py measures it).
     """
-    await conn.execute(f"WITH {queue_statement(1)}", *append_args(event))
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    async def append(self, event: AppendEvent) -> None:
+        """Append `event` to the session log after commit, in its session's order.
+
+        Its idempotency key is required: it makes a repeated append a no-op. An event
+        the log would refuse raises `DomainError` now (`check_appendable`)."""
+        await self._conn.execute(f"WITH {_queue_statement(1)}", *_append_args(event))
+
+    async def send(
+        self,
+        subject: str,
+        msg_id: str,
+        body: bytes,
+        headers: Mapping[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> None:
+        """Deliver `body` on `subject` after commit (published, or sent as a command,
+        as the relay's sender does), deduplicated by `msg_id`."""
+        await self._conn.execute(
+            f"WITH {_queue_statement(1)}",
+            *_queue_args(subject, msg_id, body, headers, ordering_key),
+        )
+
+    async def append_with(
+        self, effect: str, args: Sequence[Any], event: AppendEvent, returning: str = ""
+    ) -> dict[str, Any] | None:
+        """`append`, in one statement with `effect`: CTEs (`name AS (…)`, parameters
+        `$1`..`$len(args)`). With `returning`, the row of that CTE comes back."""
+        return await self._with(effect, args, _append_args(event), returning)
+
+    async def send_with(
+        self,
+        effect: str,
+        args: Sequence[Any],
+        subject: str,
+        msg_id: str,
+        body: bytes,
+        ordering_key: str | None = None,
+        returning: str = "",
+    ) -> dict[str, Any] | None:
+        """`send`, in one statement with `effect` (as `append_with`)."""
+        queued = _queue_args(subject, msg_id, body, ordering_key=ordering_key)
+        return await self._with(effect, args, queued, returning)
+
+    async def _with(
+        self, effect: str, args: Sequence[Any], queued: list[Any], returning: str
+    ) -> dict[str, Any] | None:
+        row = await self._conn.fetchrow(
+            f"WITH {effect}, {_queue_statement(len(args) + 1, returning)}", *args, *queued
+        )
+        if row is None:
+            return None
+        fields = dict(row)
+        fields.pop("pg_notify", None)  # the wake-up, not the caller's
+        return fields
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from servicekit.bus import check_streams, connect_service
 from servicekit.cancellation import stop
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.logs import configure_logging, get_logger
+from servicekit.outbox import OutboxRelay, Sender
 from servicekit.settings import ServiceSettings
 from servicekit.telemetry import configure_tracing
 
@@ -77,6 +78,13 @@ class Runtime:
 
         task.add_done_callback(crashed)
         self.tasks.append(task)
+
+    def relay(self, sender: Sender, name: str = "outbox-relay") -> None:
+        """Drain this schema's outbox through `sender` for the life of the service."""
+        relay = OutboxRelay(
+            self.pool, sender, self.settings.outbox_batch, self.settings.outbox_poll_seconds
+        )
+        self.background(relay.run(), name)
 
 
 @asynccontextmanager

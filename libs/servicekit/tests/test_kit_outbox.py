@@ -20,9 +20,9 @@ from servicekit.outbox import (
     DELIVERED,
     Delivery,
     JetStreamPublisher,
+    Outbox,
     OutboxRelay,
     OutboxRow,
-    enqueue,
     retry_delay,
 )
 from servicekit.testing import stream_messages, wait_for
@@ -45,7 +45,7 @@ async def enqueue_committed(
     headers: dict[str, str] | None = None,
 ) -> None:
     async with pool.acquire() as conn, conn.transaction():
-        await enqueue(conn, subject, msg_id, body, headers)
+        await Outbox(conn).send(subject, msg_id, body, headers)
 
 
 async def insert_without_notify(pool: asyncpg.Pool, subject: str, msg_id: str) -> None:
@@ -103,7 +103,7 @@ async def test_a_row_enqueued_in_a_rolled_back_transaction_is_never_published(
     relay = OutboxRelay(pool, JetStreamPublisher(js))
     with pytest.raises(Rollback):
         async with pool.acquire() as conn, conn.transaction():
-            await enqueue(conn, f"{prefix}.a", "rolled-back", b"{}")
+            await Outbox(conn).send(f"{prefix}.a", "rolled-back", b"{}")
             raise Rollback
     await enqueue_committed(pool, f"{prefix}.a", "committed")
 
@@ -157,8 +157,8 @@ async def test_the_rows_of_a_key_are_published_in_the_order_they_were_written(
         for i, msg_id in enumerate(ids):
             # three sessions interleaved, each on a subject of its own
             session = f"s{i % 3}"
-            await enqueue(
-                conn, f"{prefix}.{session}", msg_id, msg_id.encode(), ordering_key=session
+            await Outbox(conn).send(
+                f"{prefix}.{session}", msg_id, msg_id.encode(), ordering_key=session
             )
 
     while await relay.drain_once():
@@ -179,7 +179,7 @@ async def test_a_row_committed_after_a_newer_one_is_still_published(
     _, prefix = stream
     relay = OutboxRelay(pool, JetStreamPublisher(js))
     async with pool.acquire() as slow, slow.transaction():
-        await enqueue(slow, f"{prefix}.a", "slow", b"{}")  # the smaller id, not committed yet
+        await Outbox(slow).send(f"{prefix}.a", "slow", b"{}")  # the smaller id, not committed yet
         await enqueue_committed(pool, f"{prefix}.a", "fast")
         assert await relay.drain_once() == 1
     assert await relay.drain_once() == 1
@@ -290,7 +290,7 @@ async def test_unanswered_publishes_of_a_batch_time_out_together(
     relay = OutboxRelay(pool, JetStreamPublisher(js))
     async with pool.acquire() as conn, conn.transaction():
         for n in range(10):
-            await enqueue(conn, subject, f"evt-{n}", b"{}")
+            await Outbox(conn).send(subject, f"evt-{n}", b"{}")
 
     started = time.monotonic()
     assert await relay.drain_once() == 10
@@ -309,9 +309,9 @@ async def test_a_failed_row_does_not_hold_back_the_rest_of_its_batch(
     _, prefix = stream
     relay = OutboxRelay(pool, JetStreamPublisher(js))
     async with pool.acquire() as conn, conn.transaction():
-        await enqueue(conn, f"{prefix}.a", "evt-1", b"{}")
-        await enqueue(conn, f"nostream{uuid.uuid4().hex[:10]}.a", "evt-2", b"{}")
-        await enqueue(conn, f"{prefix}.a", "evt-3", b"{}")
+        await Outbox(conn).send(f"{prefix}.a", "evt-1", b"{}")
+        await Outbox(conn).send(f"nostream{uuid.uuid4().hex[:10]}.a", "evt-2", b"{}")
+        await Outbox(conn).send(f"{prefix}.a", "evt-3", b"{}")
 
     assert await relay.drain_once() == 3
 
@@ -339,7 +339,7 @@ async def test_two_relays_on_one_outbox_publish_every_row_exactly_once(
     ids = [f"evt-{i:03d}" for i in range(300)]
     async with pool.acquire() as conn, conn.transaction():
         for msg_id in ids:
-            await enqueue(conn, f"{prefix}.a", msg_id, b"{}")
+            await Outbox(conn).send(f"{prefix}.a", msg_id, b"{}")
     relays = [
         OutboxRelay(pool, JetStreamPublisher(js), batch=10),
         OutboxRelay(await make_pool(), JetStreamPublisher(js), batch=10),

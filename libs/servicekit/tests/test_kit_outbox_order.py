@@ -29,10 +29,9 @@ from servicekit.outbox import (
     Delivery,
     JetStreamPublisher,
     LogAppender,
+    Outbox,
     OutboxRelay,
     OutboxRow,
-    enqueue,
-    enqueue_append,
 )
 from servicekit.testing import stream_messages
 
@@ -43,7 +42,7 @@ async def enqueue_committed(pool: asyncpg.Pool, *rows: tuple[str, str, str | Non
     """Commit (subject, msg_id, ordering_key) rows, in this order, in one transaction."""
     async with pool.acquire() as conn, conn.transaction():
         for subject, msg_id, key in rows:
-            await enqueue(conn, subject, msg_id, b"{}", ordering_key=key)
+            await Outbox(conn).send(subject, msg_id, b"{}", ordering_key=key)
 
 
 async def published_ids(nc: Client, stream: tuple[str, str]) -> list[str]:
@@ -125,8 +124,8 @@ async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
     stream = await make_stream(max_msg_size=1024)
     _, prefix = stream
     async with pool.acquire() as conn, conn.transaction():
-        await enqueue(conn, f"{prefix}.a", "k-1", b"x" * 2048, ordering_key="K")
-        await enqueue(conn, f"{prefix}.a", "k-2", b"{}", ordering_key="K")
+        await Outbox(conn).send(f"{prefix}.a", "k-1", b"x" * 2048, ordering_key="K")
+        await Outbox(conn).send(f"{prefix}.a", "k-2", b"{}", ordering_key="K")
 
     await OutboxRelay(pool, JetStreamPublisher(js)).drain_once()
 
@@ -165,8 +164,7 @@ async def enqueue_appends(pool: asyncpg.Pool, *events: tuple[uuid.UUID, str]) ->
     """Commit one `chat.message` per (session, idempotency key), in this order."""
     async with pool.acquire() as conn, conn.transaction():
         for session_id, key in events:
-            await enqueue_append(
-                conn,
+            await Outbox(conn).append(
                 AppendEvent(
                     session_id=session_id,
                     type="chat.message",
@@ -273,7 +271,7 @@ async def test_an_event_for_the_log_needs_an_idempotency_key(pool: asyncpg.Pool)
     )
     async with pool.acquire() as conn:
         with pytest.raises(ValueError, match="idempotency_key"):
-            await enqueue_append(conn, event)
+            await Outbox(conn).append(event)
     assert await waiting(pool) == []
 
 
@@ -311,7 +309,7 @@ async def test_an_event_the_log_would_refuse_is_refused_before_anything_commits(
     with pytest.raises(DomainError) as refusal:
         async with pool.acquire() as conn, conn.transaction():
             await claim_once(conn, "kit-tests", "the-effect")
-            await enqueue_append(conn, event)
+            await Outbox(conn).append(event)
 
     assert refusal.value.code == code
     assert await waiting(pool) == []
@@ -333,7 +331,9 @@ async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_b
     try:
         for schema, p in pools.items():
             async with p.acquire() as conn, conn.transaction():
-                await enqueue(conn, f"{prefix}.{schema}", f"{schema}-1", b"{}", ordering_key="S")
+                await Outbox(conn).send(
+                    f"{prefix}.{schema}", f"{schema}-1", b"{}", ordering_key="S"
+                )
         async with pools["svc_a"].acquire() as holder, holder.transaction():
             # svc_a's relay is in the middle of delivering session S (its claim holds
             # whatever lock the relay takes for the key) ...

@@ -23,7 +23,7 @@ from contracts.common import Message
 from servicekit.client import call
 from servicekit.consumer import ConsumerSpec, DurableConsumer
 from servicekit.endpoint import Endpoints
-from servicekit.outbox import JetStreamPublisher, OutboxRelay, enqueue
+from servicekit.outbox import JetStreamPublisher, Outbox, OutboxRelay
 from servicekit.telemetry import inject_headers
 from servicekit.testing import stream_messages, wait_for
 
@@ -124,9 +124,9 @@ async def test_an_outbox_message_carries_the_trace_of_the_transaction_that_wrote
     name, prefix = stream
     with tracer.start_as_current_span("append") as writer:
         async with pool.acquire() as conn, conn.transaction():
-            await enqueue(conn, f"{prefix}.a", "traced", b"{}")
+            await Outbox(conn).send(f"{prefix}.a", "traced", b"{}")
     async with pool.acquire() as conn, conn.transaction():
-        await enqueue(conn, f"{prefix}.a", "untraced", b"{}")
+        await Outbox(conn).send(f"{prefix}.a", "untraced", b"{}")
 
     # published later, by a relay outside any span: the context travelled in the row
     await OutboxRelay(pool, JetStreamPublisher(js)).drain_once()

@@ -9,6 +9,10 @@ The mailbox policy is `domain.criativo.admit`: an input that arrives during a tu
 is queued behind it, never dropped and never merged into the running turn; a second
 copy of an input already queued (a redelivery racing its first copy) shares the
 first copy's outcome. Different sessions' actors run concurrently.
+
+The kit's per-session subscription (`criativo.consumer`) already hands a session's
+inputs over one at a time, in stream order; the mailbox keeps the policy true for any
+caller of `post`, and keeps the conversation between inputs.
 """
 
 from __future__ import annotations

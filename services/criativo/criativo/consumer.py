@@ -1,31 +1,41 @@
-"""Criativo's inputs: one durable consumer whose messages are handled concurrently
-across sessions and one at a time within a session.
+"""Criativo's bus surface: one durable consumer of the log, per-session ordered.
 
-`servicekit.consumer.DurableConsumer` awaits each message before the next, which
-would make every session wait for every other session's turn. Here each fetched
-message is posted to its session's actor at once (in fetch order, so a session's
-mailbox receives its inputs in stream order) and settled by the same rules when the
-actor is done with it: ack after the effect, nak with backoff, dead-letter what
-can never succeed. While a message waits in a mailbox or behind a lease, it is
-kept in progress so the server does not redeliver it to another replica.
+Every input of a session (its messages, readiness, Criativo's activation, the closing)
+goes to the session's actor (`criativo.actors`), one at a time and in stream order;
+different sessions' inputs are handled concurrently. The kit does the rest by the
+consumer rules: ack once the actor is done with the input, nak with backoff when it
+failed, dead-letter what can never succeed, and keep a message in progress while it
+waits behind its session's earlier inputs or its turn runs, so the server does not
+redeliver it to another replica meanwhile. Criativo serves no commands: it is
+registered so `$SRV.PING` and `nats micro ls` find each replica.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+from pydantic import Field
 
-import asyncpg
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
-
+from contracts import streams
 from contracts.events import Event, EventType
+from contracts.subjects import event_filter
 from criativo.actors import Actors
+from criativo.handlers import CONSUMER
 from domain.criativo import CRIATIVO
-from servicekit.consumer import ConsumerSpec, DurableConsumer, Permanent
+from servicekit.consumer import ConsumerSpec
+from servicekit.service import Attempt, Service
+from servicekit.settings import ServiceSettings
 
+SERVICE = "criativo"
+VERSION = "0.1.0"
+# Criativo keeps no state of its own (DESIGN.md); its schema holds only servicekit's
+# tables: the offers' outbox, the claims that make them once-only, dead letters.
+svc = Service(SERVICE, VERSION, "Criativo: the conversational ideation agent.", schema="criativo")
+INPUTS = [
+    event_filter(EventType.CHAT_MESSAGE),
+    event_filter(EventType.CRIATIVO_READINESS_CONFIRMED),
+    event_filter(EventType.AGENT_ACTIVATED),
+    event_filter(EventType.SESSION_CLOSED),
+    event_filter(EventType.SESSION_CLOSED_ABNORMALLY),
+]
 # Inputs that start or feed an actor; anything else on the subjects is acknowledged.
 ROUTED = frozenset(
     {
@@ -37,95 +47,47 @@ ROUTED = frozenset(
 )
 
 
-def route(actors: Actors, msg: Msg) -> asyncio.Future[None] | None:
-    """Post the message's event to its actor; None when there is nothing to do."""
-    try:
-        event = Event.model_validate_json(msg.data)
-    except ValueError as exc:
-        raise Permanent(f"not an event: {exc}") from None
+class CriativoSettings(ServiceSettings):
+    """Criativo's own knobs (`AGENTBUS_IDLE_SECONDS`, `AGENTBUS_LEASE_TTL_SECONDS`, …)."""
+
+    idle_seconds: float = 300.0
+    # A replica that dies holding a session frees it after this long.
+    lease_ttl_seconds: float = 15.0
+    # Deliveries of one input that fail before the session is terminated abnormally.
+    crash_limit: int = 3
+    max_deliver: int = 8
+    retry_backoff_seconds: list[float] = Field(
+        default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0]
+    )
+    ack_wait_seconds: float = 30.0
+    consumer_batch: int = 32
+    max_tool_iterations: int = 4
+    max_tokens: int = 2048
+    # How long a turn id still running in metering (an earlier delivery's call) is
+    # waited for before it is tried again under a retry id.
+    turn_in_progress_wait_seconds: float = 120.0
+    # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
+    session_budget_micros: int | None = 2_000_000
+
+
+def inputs_spec(settings: CriativoSettings) -> ConsumerSpec:
+    """The durable consumer every replica shares."""
+    return ConsumerSpec(
+        durable=CONSUMER,
+        stream=streams.EVENTS.name,
+        filter_subjects=INPUTS,
+        max_deliver=settings.max_deliver,
+        backoff=list(settings.retry_backoff_seconds),
+        batch=settings.consumer_batch,
+        ack_wait=settings.ack_wait_seconds,
+    )
+
+
+@svc.subscribe(inputs_spec, per_session=True)
+async def session_input(event: Event, attempt: Attempt, actors: Actors) -> None:
+    """Hand the input to its session's actor and wait until the actor is done with it."""
     starts_criativo = (
         event.type is EventType.AGENT_ACTIVATED and event.payload.get("agent") == CRIATIVO
     )
-    if not starts_criativo and event.type not in ROUTED:
-        return None
-    return actors.post(event, msg.metadata.num_delivered)
-
-
-class SessionInputs(DurableConsumer):
-    """The durable consumer of chat messages, readiness, activations and closings."""
-
-    def __init__(
-        self,
-        nc: Client,
-        js: JetStreamContext,
-        pool: asyncpg.Pool,
-        spec: ConsumerSpec,
-        actors: Actors,
-        ack_wait: float,
-    ) -> None:
-        super().__init__(nc, js, pool, spec, self._outcome_of)
-        self._actors = actors
-        self._ack_wait = ack_wait
-        self._inflight: set[asyncio.Task[None]] = set()
-        self._progress_interval = ack_wait / 3
-        # A message's outcome, by the message object's identity while it is in flight.
-        self._outcomes: dict[int, asyncio.Future[None] | None] = {}
-
-    async def _outcome_of(self, msg: Msg) -> None:
-        outcome = self._outcomes.pop(id(msg), None)
-        if outcome is not None:
-            await outcome
-
-    async def run(self) -> None:
-        """Create or update the consumer, then route messages until cancelled."""
-        config = self.spec.config()
-        config.ack_wait = self._ack_wait
-        await self._js.add_consumer(self.spec.stream, config)
-        # With a BackOff, the server redelivers an unacknowledged message after the
-        # backoff step of its delivery, not after AckWait: keep it alive well within both.
-        self._progress_interval = min(self._ack_wait, self.spec.backoff[0]) / 3
-        advisory = await self._nc.subscribe(
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream}.{self.spec.durable}",
-            cb=self._on_max_deliveries,
-        )
-        sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
-        try:
-            while True:
-                try:
-                    msgs = await sub.fetch(self.spec.batch, timeout=1.0)
-                except (NatsTimeoutError, TimeoutError):
-                    continue
-                for msg in msgs:
-                    self._track(msg)
-        finally:
-            for task in self._inflight:
-                task.cancel()
-            with contextlib.suppress(Exception):
-                await advisory.unsubscribe()
-                await sub.unsubscribe()
-
-    def _track(self, msg: Msg) -> None:
-        try:
-            outcome = route(self._actors, msg)
-        except Permanent as exc:
-            outcome = asyncio.get_running_loop().create_future()
-            outcome.set_exception(exc)
-        task = asyncio.create_task(self._settle(msg, outcome))
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-
-    async def _settle(self, msg: Msg, outcome: asyncio.Future[None] | None) -> None:
-        keeper = asyncio.create_task(self._keep_in_progress(msg))
-        self._outcomes[id(msg)] = outcome
-        try:
-            # The base class's rules: ack, nak with backoff, or dead-letter.
-            await self._handle(msg)
-        finally:
-            self._outcomes.pop(id(msg), None)
-            keeper.cancel()
-
-    async def _keep_in_progress(self, msg: Msg) -> None:
-        while True:
-            await asyncio.sleep(self._progress_interval)
-            with contextlib.suppress(Exception):
-                await msg.in_progress()
+    if starts_criativo or event.type in ROUTED:
+        await actors.post(event, attempt.number)

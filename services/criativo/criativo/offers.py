@@ -34,7 +34,7 @@ from contracts.handoff import OfferHandoff
 from contracts.session_events import AppendEvent
 from domain.criativo import CRIATIVO, CRIATIVO_ACTOR
 from servicekit.consumer import claim_once
-from servicekit.outbox import DELIVERED, Delivery, LogAppender, OutboxRow, enqueue
+from servicekit.outbox import DELIVERED, Delivery, LogAppender, Outbox, OutboxRow
 
 OFFER_TARGET = "po"
 CLAIMS = "criativo-offers"
@@ -54,8 +54,7 @@ async def queue_offer(
     async with pool.acquire() as conn, conn.transaction():
         if not await claim_once(conn, CLAIMS, f"offer:{readiness_id}"):
             return False
-        await enqueue(
-            conn,
+        await Outbox(conn).send(
             subjects.HANDOFFS_OFFER,
             f"criativo:offer:{readiness_id}",
             offer.model_dump_json().encode(),

@@ -15,8 +15,8 @@ from contracts.handoff import Activation, Handoff
 from contracts.session_events import AppendEvent
 from domain.errors import DomainError
 from domain.handoff import Status
-from servicekit.db import Connection, returned
-from servicekit.outbox import append_args, queue_statement
+from servicekit.db import Connection
+from servicekit.outbox import Outbox
 
 HANDOFF_COLUMNS = (
     "id, project_id, session_id, from_agent, to_agent, artifact_id, status, "
@@ -124,19 +124,14 @@ class HandoffTransaction:
         announce: AppendEvent,
     ) -> Handoff:
         """Insert an offer and its event's outbox row: one round trip under the lock."""
-        row = await self._conn.fetchrow(
-            f"""WITH h AS (
+        row = await Outbox(self._conn).append_with(
+            f"""h AS (
                     INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
                                           artifact_id, status)
-                    VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS}),
-                {queue_statement(7, returning="h")}""",
-            handoff_id,
-            project_id,
-            session_id,
-            from_agent,
-            to_agent,
-            artifact_id,
-            *append_args(announce),
+                    VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS})""",
+            [handoff_id, project_id, session_id, from_agent, to_agent, artifact_id],
+            announce,
+            returning="h",
         )
         return Handoff.model_validate(_fields(row))
 
@@ -148,15 +143,13 @@ class HandoffTransaction:
         superseded_by: UUID | None = None,
     ) -> Handoff:
         """Change a handoff's status and record its event's outbox row, in one statement."""
-        row = await self._conn.fetchrow(
-            f"""WITH h AS (
+        row = await Outbox(self._conn).append_with(
+            f"""h AS (
                     UPDATE handoffs SET status = $2, superseded_by = $3, updated_at = now()
-                     WHERE id = $1 RETURNING {HANDOFF_COLUMNS}),
-                {queue_statement(4, returning="h")}""",
-            handoff_id,
-            status.value,
-            superseded_by,
-            *append_args(announce),
+                     WHERE id = $1 RETURNING {HANDOFF_COLUMNS})""",
+            [handoff_id, status.value, superseded_by],
+            announce,
+            returning="h",
         )
         return Handoff.model_validate(_fields(row))
 
@@ -170,17 +163,13 @@ class HandoffTransaction:
         announce: AppendEvent,
     ) -> Activation:
         """Record the activation and its `agent.activated` outbox row, in one statement."""
-        row = await self._conn.fetchrow(
-            f"""WITH a AS (
+        row = await Outbox(self._conn).append_with(
+            f"""a AS (
                     INSERT INTO activations (project_id, session_id, agent, via, handoff_id)
-                    VALUES ($1, $2, $3, $4, $5) RETURNING {ACTIVATION_COLUMNS}),
-                {queue_statement(6, returning="a")}""",
-            project_id,
-            session_id,
-            agent,
-            via,
-            handoff_id,
-            *append_args(announce),
+                    VALUES ($1, $2, $3, $4, $5) RETURNING {ACTIVATION_COLUMNS})""",
+            [project_id, session_id, agent, via, handoff_id],
+            announce,
+            returning="a",
         )
         return Activation.model_validate(_fields(row))
 
@@ -215,11 +204,11 @@ def announcement(
     )
 
 
-def _fields(row: asyncpg.Record | None) -> dict[str, Any]:
-    """A `RETURNING` row read back through `queue_statement`, without its notify column."""
-    fields = returned(row)
-    fields.pop("pg_notify", None)
-    return fields
+def _fields(row: dict[str, Any] | None) -> dict[str, Any]:
+    """The `RETURNING` row of an effect written with its outbox row."""
+    if row is None:
+        raise LookupError("the statement returned no row")
+    return row
 
 
 class HandoffRepository:

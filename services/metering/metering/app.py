@@ -8,17 +8,16 @@ from pydantic import Field
 
 from metering.cancels import DEFAULT_TTL_SECONDS, Cancellations
 from metering.catalog import Catalog
-from metering.handlers import SERVICE, build_endpoints
+from metering.handlers import SERVICE, svc
 from metering.providers.base import Provider, Providers
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
 from metering.repository import MeteringRepository
 from metering.sweeper import run_sweeper
 from metering.turns import TurnRunner
 from servicekit.logs import get_logger
-from servicekit.runtime import open_runtime, run_service, wait_until_stopped
+from servicekit.runtime import run_service
 from servicekit.settings import ServiceSettings
 
-SCHEMA = "metering"
 log = get_logger(__name__)
 
 
@@ -107,7 +106,7 @@ async def main(
     settings = settings or MeteringSettings()
     providers = build_providers(settings, provider or build_provider(settings))
     cancels = cancels or Cancellations(settings.cancel_memory_seconds)
-    async with open_runtime(SERVICE, SCHEMA, ["metering.migrations"], settings) as rt:
+    async with svc.open(settings) as rt:
         repo = MeteringRepository(rt.pool)
         catalog = Catalog(repo)
         await catalog.reload()
@@ -121,15 +120,12 @@ async def main(
         # Listening before serving: a replica hears every cancel of the streams it runs.
         cancel_sub = await cancels.subscribe(rt.nc)
         runner = TurnRunner(repo, catalog, providers, rt.nc, cancels)
-        endpoints = build_endpoints(repo, catalog, runner, rt.nc)
-        service = await endpoints.start(rt.nc, settings.endpoint_concurrency, settings.instance_id)
         try:
-            await wait_until_stopped(rt)
+            await svc.serve(rt, repo=repo, catalog=catalog, runner=runner)
         finally:
-            await service.stop()
-            # Still listening while the turns in flight finish: a person can stop a
-            # stream of a replica that is shutting down (another replica serves the cancel).
-            await endpoints.drain()
+            # Still listening while the turns in flight finished (`serve` drains them): a
+            # person can stop a stream of a replica that is shutting down (another replica
+            # serves the cancel).
             await cancel_sub.unsubscribe()
             await providers.close()
 

@@ -17,7 +17,7 @@ from contracts.session_events import AppendEvent
 from domain.errors import DomainError
 from domain.psychologist import HypothesisStatus, TriagePlan, ValidHypothesis
 from servicekit.db import Connection, returned
-from servicekit.outbox import enqueue_append
+from servicekit.outbox import Outbox
 
 HYPOTHESIS_SELECT = """
 SELECT h.id, h.analysis_id, h.project_id, h.session_id, h.target_agent, h.statement,
@@ -159,8 +159,7 @@ class PsychologistTransaction:
 
         The key is derived from what the event announces, so a retried outcome appends
         nothing twice."""
-        await enqueue_append(
-            self._conn,
+        await Outbox(self._conn).append(
             AppendEvent(
                 session_id=session_id,
                 type=event_type.value,

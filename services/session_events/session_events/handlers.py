@@ -30,11 +30,18 @@ from contracts.session_events import (
 )
 from domain import log_rules
 from domain.errors import DomainError
-from servicekit.endpoint import Endpoints
+from servicekit.service import Service
 from session_events.repository import LockedSession, LogRepository, LogTransaction
 
 SERVICE = "session_events"
 VERSION = "0.1.0"
+svc = Service(
+    SERVICE,
+    VERSION,
+    "The append-only session event log.",
+    schema="session_events",
+    migrations=["session_events.migrations"],
+)
 
 
 def _already_closed(session: LockedSession) -> DomainError:
@@ -63,94 +70,97 @@ async def close_session(
     return SessionClosedReply(session_id=session.id, status=status, event_id=event.id)
 
 
-def build_endpoints(repo: LogRepository) -> Endpoints:
-    """Every command of the log, wired to `repo`."""
-    api = Endpoints(SERVICE, VERSION, "The append-only session event log.")
+@svc.command(subjects.SESSIONS_OPEN)
+async def open_session(cmd: OpenSession, repo: LogRepository) -> SessionOpenedReply:
+    async with repo.transaction() as tx:
+        session = await tx.create_session(cmd.project_id, cmd.opened_by)
+        payload = SessionOpened(opened_by=cmd.opened_by).model_dump(mode="json")
+        event = await tx.append(session, EventType.SESSION_OPENED, cmd.opened_by, payload)
+    return SessionOpenedReply(session_id=session.id, event_id=event.id)
 
-    @api.command(subjects.SESSIONS_OPEN, OpenSession)
-    async def open_session(cmd: OpenSession) -> SessionOpenedReply:
-        async with repo.transaction() as tx:
-            session = await tx.create_session(cmd.project_id, cmd.opened_by)
-            payload = SessionOpened(opened_by=cmd.opened_by).model_dump(mode="json")
-            event = await tx.append(session, EventType.SESSION_OPENED, cmd.opened_by, payload)
-        return SessionOpenedReply(session_id=session.id, event_id=event.id)
 
-    @api.command(subjects.EVENTS_APPEND, AppendEvent)
-    async def append(cmd: AppendEvent) -> AppendedReply:
-        event_type = log_rules.parse_event_type(cmd.type)
-        parsed = log_rules.validate_payload(event_type, cmd.payload)
-        # Measured as stored: UTF-8 bytes of the normalised payload.
-        log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
-        payload = parsed.model_dump(mode="json")
-        async with repo.transaction() as tx:
-            session = await tx.lock_session(cmd.session_id)
-            if cmd.idempotency_key is not None:
-                earlier = await tx.event_by_key(session.id, cmd.idempotency_key)
-                if earlier is not None:
-                    return AppendedReply(event_id=earlier.id, seq=earlier.seq, duplicate=True)
-            causation = await tx.causation(cmd.causation_id)
-            log_rules.check_append(
-                event_type, cmd.actor, session.id, session.is_open, cmd.causation_id, causation
-            )
-            event = await tx.append(
-                session, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key
-            )
-        return AppendedReply(event_id=event.id, seq=event.seq)
+@svc.command(subjects.EVENTS_APPEND)
+async def append(cmd: AppendEvent, repo: LogRepository) -> AppendedReply:
+    event_type = log_rules.parse_event_type(cmd.type)
+    parsed = log_rules.validate_payload(event_type, cmd.payload)
+    # Measured as stored: UTF-8 bytes of the normalised payload.
+    log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
+    payload = parsed.model_dump(mode="json")
+    async with repo.transaction() as tx:
+        session = await tx.lock_session(cmd.session_id)
+        if cmd.idempotency_key is not None:
+            earlier = await tx.event_by_key(session.id, cmd.idempotency_key)
+            if earlier is not None:
+                return AppendedReply(event_id=earlier.id, seq=earlier.seq, duplicate=True)
+        causation = await tx.causation(cmd.causation_id)
+        log_rules.check_append(
+            event_type, cmd.actor, session.id, session.is_open, cmd.causation_id, causation
+        )
+        event = await tx.append(
+            session, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key
+        )
+    return AppendedReply(event_id=event.id, seq=event.seq)
 
-    @api.command(subjects.EVENTS_GET, GetEvents)
-    async def get_events(cmd: GetEvents) -> EventsReply:
-        events = await repo.events_by_id(cmd.event_ids)
-        found = {e.id for e in events}
-        return EventsReply(events=events, missing=[i for i in cmd.event_ids if i not in found])
 
-    @api.command(subjects.EVENTS_LIST, ListEvents)
-    async def list_events(cmd: ListEvents) -> EventsReply:
-        events = await repo.events_after(cmd.session_id, cmd.after_seq, cmd.limit)
-        if not events and not await repo.session_exists(cmd.session_id):
-            raise log_rules.session_not_found(cmd.session_id)
-        return EventsReply(events=events)
+@svc.command(subjects.EVENTS_GET)
+async def get_events(cmd: GetEvents, repo: LogRepository) -> EventsReply:
+    events = await repo.events_by_id(cmd.event_ids)
+    found = {e.id for e in events}
+    return EventsReply(events=events, missing=[i for i in cmd.event_ids if i not in found])
 
-    @api.command(subjects.EVENTS_QUERY, QueryEvents)
-    async def query_events(cmd: QueryEvents) -> EventsReply:
-        types = [log_rules.known_event_type(t).value for t in cmd.types]
-        return EventsReply(events=await repo.events_of_project(cmd.project_id, types, cmd.limit))
 
-    @api.command(subjects.SESSIONS_HEARTBEAT, SessionRef)
-    async def heartbeat(cmd: SessionRef) -> HeartbeatReply:
-        at = await repo.heartbeat(cmd.session_id)
-        if at is None:
-            view = await repo.session(cmd.session_id)
-            if view is None:
-                raise log_rules.session_not_found(cmd.session_id)
-            raise DomainError(
-                ErrorCode.SESSION_CLOSED,
-                f"session {cmd.session_id} is {view.status}",
-                session_id=str(cmd.session_id),
-                status=view.status,
-            )
-        return HeartbeatReply(session_id=cmd.session_id, last_heartbeat_at=at)
+@svc.command(subjects.EVENTS_LIST)
+async def list_events(cmd: ListEvents, repo: LogRepository) -> EventsReply:
+    events = await repo.events_after(cmd.session_id, cmd.after_seq, cmd.limit)
+    if not events and not await repo.session_exists(cmd.session_id):
+        raise log_rules.session_not_found(cmd.session_id)
+    return EventsReply(events=events)
 
-    @api.command(subjects.SESSIONS_CLOSE, CloseSession)
-    async def close(cmd: CloseSession) -> SessionClosedReply:
-        async with repo.transaction() as tx:
-            session = await tx.lock_session(cmd.session_id)
-            return await close_session(tx, session, None, cmd.closed_by)
 
-    @api.command(subjects.SESSIONS_TERMINATE, TerminateSession)
-    async def terminate(cmd: TerminateSession) -> SessionClosedReply:
-        async with repo.transaction() as tx:
-            session = await tx.lock_session(cmd.session_id)
-            return await close_session(tx, session, cmd.reason, None)
+@svc.command(subjects.EVENTS_QUERY)
+async def query_events(cmd: QueryEvents, repo: LogRepository) -> EventsReply:
+    types = [log_rules.known_event_type(t).value for t in cmd.types]
+    return EventsReply(events=await repo.events_of_project(cmd.project_id, types, cmd.limit))
 
-    @api.command(subjects.SESSIONS_LIST, ListSessions)
-    async def list_sessions(cmd: ListSessions) -> SessionsReply:
-        return SessionsReply(sessions=await repo.sessions_of_project(cmd.project_id, cmd.limit))
 
-    @api.command(subjects.SESSIONS_GET, SessionRef)
-    async def get_session(cmd: SessionRef) -> SessionView:
+@svc.command(subjects.SESSIONS_HEARTBEAT)
+async def heartbeat(cmd: SessionRef, repo: LogRepository) -> HeartbeatReply:
+    at = await repo.heartbeat(cmd.session_id)
+    if at is None:
         view = await repo.session(cmd.session_id)
         if view is None:
             raise log_rules.session_not_found(cmd.session_id)
-        return view
+        raise DomainError(
+            ErrorCode.SESSION_CLOSED,
+            f"session {cmd.session_id} is {view.status}",
+            session_id=str(cmd.session_id),
+            status=view.status,
+        )
+    return HeartbeatReply(session_id=cmd.session_id, last_heartbeat_at=at)
 
-    return api
+
+@svc.command(subjects.SESSIONS_CLOSE)
+async def close(cmd: CloseSession, repo: LogRepository) -> SessionClosedReply:
+    async with repo.transaction() as tx:
+        session = await tx.lock_session(cmd.session_id)
+        return await close_session(tx, session, None, cmd.closed_by)
+
+
+@svc.command(subjects.SESSIONS_TERMINATE)
+async def terminate(cmd: TerminateSession, repo: LogRepository) -> SessionClosedReply:
+    async with repo.transaction() as tx:
+        session = await tx.lock_session(cmd.session_id)
+        return await close_session(tx, session, cmd.reason, None)
+
+
+@svc.command(subjects.SESSIONS_LIST)
+async def list_sessions(cmd: ListSessions, repo: LogRepository) -> SessionsReply:
+    return SessionsReply(sessions=await repo.sessions_of_project(cmd.project_id, cmd.limit))
+
+
+@svc.command(subjects.SESSIONS_GET)
+async def get_session(cmd: SessionRef, repo: LogRepository) -> SessionView:
+    view = await repo.session(cmd.session_id)
+    if view is None:
+        raise log_rules.session_not_found(cmd.session_id)
+    return view

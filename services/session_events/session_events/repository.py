@@ -15,8 +15,8 @@ from contracts import subjects
 from contracts.events import Event, EventType
 from contracts.session_events import SessionView
 from domain.log_rules import CausationFacts, session_not_found
-from servicekit import outbox
 from servicekit.db import Connection
+from servicekit.outbox import Outbox
 
 EVENT_COLUMNS = "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at"
 SESSION_COLUMNS = (
@@ -102,29 +102,28 @@ class LogTransaction:
         )
         # The seq bump, the event and its outbox row in one statement: one round trip
         # while the session's row lock is held (bench/append.py measures why).
-        await self._conn.execute(
-            f"""WITH bump AS (UPDATE sessions SET last_seq = $4 WHERE id = $2),
-                     event AS (
-                        INSERT INTO events (id, session_id, project_id, seq, type, actor,
-                                            payload, causation_id, idempotency_key, created_at)
-                        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)),
-                     {outbox.queue_statement(11)}""",
-            event.id,
-            event.session_id,
-            event.project_id,
-            event.seq,
-            event.type.value,
-            event.actor,
-            event.payload,
-            event.causation_id,
-            idempotency_key,
-            event.created_at,
-            *outbox.queue_args(
-                subjects.event_subject(event.type, event.project_id, event.session_id),
-                str(event.id),
-                event.model_dump_json().encode(),
-                ordering_key=str(event.session_id),
-            ),
+        await Outbox(self._conn).send_with(
+            """bump AS (UPDATE sessions SET last_seq = $4 WHERE id = $2),
+               event AS (
+                  INSERT INTO events (id, session_id, project_id, seq, type, actor,
+                                      payload, causation_id, idempotency_key, created_at)
+                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10))""",
+            [
+                event.id,
+                event.session_id,
+                event.project_id,
+                event.seq,
+                event.type.value,
+                event.actor,
+                event.payload,
+                event.causation_id,
+                idempotency_key,
+                event.created_at,
+            ],
+            subjects.event_subject(event.type, event.project_id, event.session_id),
+            str(event.id),
+            event.model_dump_json().encode(),
+            ordering_key=str(event.session_id),
         )
         # Later appends in the same transaction (close = status + event) see the new seq.
         session.last_seq = event.seq

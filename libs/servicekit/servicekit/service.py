@@ -1,0 +1,264 @@
+"""One way to write a service: declare its commands and subscriptions once, wire, run.
+
+A service declares its bus surface beside its handlers::
+
+    svc = Service("handoff", "0.1.0", "Handoffs…", schema="handoff",
+                  migrations=["handoff.migrations"])
+
+    @svc.command(subjects.HANDOFFS_OFFER)
+    async def offer(cmd: OfferHandoff, repo: HandoffRepository) -> OfferReply: ...
+
+    @svc.subscribe(CLOSINGS)
+    async def on_closed(event: Event, tx: Transaction) -> None: ...
+
+and its `app.py`, the composition root (cosmicpython's `bootstrap`), builds the parts
+and runs it::
+
+    async with svc.open(settings) as rt:
+        rt.relay(LogAppender(rt.nc))
+        await svc.serve(rt, repo=HandoffRepository(rt.pool))
+
+The first parameter of a handler is its message, parsed into the model its annotation
+names (FastStream: the signature is the contract). The others are dependencies,
+injected by name: whatever `serve` was given, `nc`, `js`, `pool`, `settings`, and two
+the kit makes for each message of a subscription:
+- `tx`: a `Transaction` opened around the handler, committed when it returns; its
+  `outbox` is where the handler's events go (`tx.outbox.append(event)`), and with
+  `claim=True` the message id is claimed in it first (a repeat is acked, not handled);
+- `attempt`: which delivery of the message this is (`attempt.last`: no retry follows).
+
+Subscriptions get the consumer rules of `servicekit.consumer`: ack after the handler
+returns (after commit), nak with backoff on failure, dead-letter a message that can
+never be parsed (`Permanent`) or ran out of deliveries, keep held messages in
+progress; with `per_session=True`, a session's messages are handled in stream order
+and different sessions' concurrently.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from nats.aio.msg import Msg
+from pydantic import BaseModel
+
+from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent, claim_once
+from servicekit.db import Connection
+from servicekit.endpoint import Endpoints
+from servicekit.outbox import Outbox
+from servicekit.runtime import Runtime, open_runtime, wait_until_stopped
+from servicekit.settings import ServiceSettings
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+# A consumer's spec, or how to make it from the service's settings.
+SpecOf = ConsumerSpec | Callable[[Any], ConsumerSpec]
+# Made by the kit for each message, not given to `serve`.
+PER_MESSAGE = frozenset({"tx", "attempt"})
+
+
+@dataclass(frozen=True)
+class Transaction:
+    """The transaction a subscription's handler runs in, and its outbox."""
+
+    conn: Connection
+    outbox: Outbox
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Which delivery of a message this is, out of how many the consumer allows."""
+
+    number: int
+    limit: int
+
+    @property
+    def last(self) -> bool:
+        """No redelivery follows a failure of this one."""
+        return self.number >= self.limit
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """One durable consumer of a service: its spec, message model and handler."""
+
+    spec: SpecOf
+    model: type[BaseModel]
+    handler: Callable[..., Awaitable[None]]
+    claim: bool
+    per_session: bool
+
+    def spec_for(self, settings: ServiceSettings) -> ConsumerSpec:
+        return self.spec if isinstance(self.spec, ConsumerSpec) else self.spec(settings)
+
+
+@dataclass(frozen=True)
+class _CommandDecl:
+    subject: str
+    request: type[BaseModel]
+    handler: Callable[..., Awaitable[Any]]
+
+
+def message_model(handler: Callable[..., Any]) -> type[BaseModel]:
+    """The model of a handler's first parameter, read off its signature."""
+    first = next(iter(inspect.signature(handler).parameters), None)
+    try:
+        model = typing.get_type_hints(handler).get(first) if first is not None else None
+    except NameError:  # an annotation imported only for type checking
+        model = None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise TypeError(
+            f"{handler.__qualname__}: annotate its first parameter with the message model "
+            "(imported at run time), or name the model in the decorator"
+        )
+    return model
+
+
+def session_of_subject(msg: Msg) -> str:
+    """An event's session: the last token of `<domain>.<name>.<project>.<session>`."""
+    return msg.subject.rsplit(".", 1)[-1]
+
+
+def _dependencies(
+    handler: Callable[..., Any], deps: Mapping[str, Any], made: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """The arguments after the message that `handler` asks for, by name."""
+    wanted = list(inspect.signature(handler).parameters)[1:]
+    missing = [name for name in wanted if name not in deps and name not in made]
+    if missing:
+        raise TypeError(f"{handler.__qualname__} needs {missing}: pass them to Service.serve")
+    return {name: deps[name] for name in wanted if name in deps}
+
+
+class Service:
+    """A service's commands and subscriptions, declared once; `serve` runs them."""
+
+    def __init__(
+        self,
+        name: str,
+        version: str,
+        description: str,
+        schema: str,
+        migrations: list[str] | None = None,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.description = description
+        self.schema = schema
+        self.migrations = list(migrations or [])
+        self.commands: list[_CommandDecl] = []
+        self.subscriptions: list[Subscription] = []
+
+    def command(self, subject: str, request: type[BaseModel] | None = None) -> Callable[[F], F]:
+        """Answer `subject` with the handler; its request model is its first parameter's."""
+
+        def register(handler: F) -> F:
+            model = request or message_model(handler)
+            self.commands.append(_CommandDecl(subject, model, handler))
+            return handler
+
+        return register
+
+    def subscribe(
+        self,
+        spec: SpecOf,
+        model: type[BaseModel] | None = None,
+        *,
+        claim: bool = False,
+        per_session: bool = False,
+    ) -> Callable[[F], F]:
+        """Consume the durable `spec` (or `spec(settings)`) with the handler."""
+
+        def register(handler: F) -> F:
+            parsed = model or message_model(handler)
+            self.subscriptions.append(Subscription(spec, parsed, handler, claim, per_session))
+            return handler
+
+        return register
+
+    @asynccontextmanager
+    async def open(self, settings: ServiceSettings | None = None) -> AsyncIterator[Runtime]:
+        """Connect as this service, check the streams, migrate its schema."""
+        async with open_runtime(self.name, self.schema, self.migrations, settings) as rt:
+            yield rt
+
+    def endpoints(self, deps: Mapping[str, Any]) -> Endpoints:
+        """The commands, their dependencies bound, as a NATS micro service."""
+        api = Endpoints(self.name, self.version, self.description)
+        for cmd in self.commands:
+            bound = _dependencies(cmd.handler, deps)
+            api.command(cmd.subject, cmd.request)(_with(cmd.handler, bound))
+        return api
+
+    async def serve(self, rt: Runtime, **deps: Any) -> None:
+        """Start every subscription and command, then run until stopped (SIGTERM, or a
+        background task crashed); stop serving and finish the requests in flight."""
+        given = {"nc": rt.nc, "js": rt.js, "pool": rt.pool, "settings": rt.settings, **deps}
+        endpoints = self.endpoints(given)
+        for sub in self.subscriptions:
+            await self._start(rt, sub, given)
+        # Announced last: a replica `$SRV.PING` finds is consuming already.
+        service = await endpoints.start(
+            rt.nc, rt.settings.endpoint_concurrency, rt.settings.instance_id
+        )
+        try:
+            await wait_until_stopped(rt)
+        finally:
+            await service.stop()
+            await endpoints.drain()
+
+    async def _start(self, rt: Runtime, sub: Subscription, deps: Mapping[str, Any]) -> None:
+        spec = sub.spec_for(rt.settings)
+        # Created once here, so the pullers below only bind to it.
+        await rt.js.add_consumer(spec.stream, spec.config())
+        handler = self._consume(rt, sub, spec, deps)
+        key = session_of_subject if sub.per_session else None
+        for worker in range(spec.workers):
+            consumer = DurableConsumer(rt.nc, rt.js, rt.pool, spec, handler, key)
+            suffix = f"-{worker}" if spec.workers > 1 else ""
+            rt.background(consumer.run(), f"{spec.durable}{suffix}")
+
+    def _consume(
+        self, rt: Runtime, sub: Subscription, spec: ConsumerSpec, deps: Mapping[str, Any]
+    ) -> Handler:
+        """The raw-message handler: parse, claim, run in a transaction, by the handler's
+        signature."""
+        wanted = set(inspect.signature(sub.handler).parameters)
+        bound = _dependencies(sub.handler, deps, PER_MESSAGE)
+        in_transaction = sub.claim or "tx" in wanted
+
+        async def handle(msg: Msg) -> None:
+            try:
+                message = sub.model.model_validate_json(msg.data)
+            except ValueError as exc:
+                raise Permanent(f"not an event: {exc}") from None
+            kwargs = dict(bound)
+            if "attempt" in wanted:
+                kwargs["attempt"] = Attempt(msg.metadata.num_delivered, spec.max_deliver)
+            if not in_transaction:
+                await sub.handler(message, **kwargs)
+                return
+            msg_id = (msg.headers or {}).get("Nats-Msg-Id") or (
+                f"{spec.stream}:{msg.metadata.sequence.stream}"
+            )
+            async with rt.pool.acquire() as conn, conn.transaction():
+                if sub.claim and not await claim_once(conn, spec.durable, msg_id):
+                    return  # handled before: its effect is committed
+                if "tx" in wanted:
+                    kwargs["tx"] = Transaction(conn, Outbox(conn))
+                await sub.handler(message, **kwargs)
+
+        return handle
+
+
+def _with(handler: Callable[..., Awaitable[Any]], bound: dict[str, Any]) -> Any:
+    if not bound:
+        return handler
+
+    async def call(message: Any) -> Any:
+        return await handler(message, **bound)
+
+    return call
