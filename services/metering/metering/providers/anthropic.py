@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,13 +33,13 @@ from anthropic.types import MessageDeltaUsage, Usage
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
 from metering.providers.base import (
-    MAX_RETRY_AFTER_SECONDS,
     OnText,
     Progress,
     ProviderError,
     ProviderReply,
     ProviderRequest,
     estimate_output_tokens,
+    next_retry_delay,
     retry_after,
 )
 from servicekit.logs import get_logger
@@ -189,17 +188,7 @@ class AnthropicProvider:
             except (APIConnectionError, httpx2.TransportError) as exc:
                 code, retryable = ErrorCode.PROVIDER_ERROR, True
                 error = ProviderError(code, f"connection to the provider failed: {exc!r}")
-            # A retry after text was handed on would publish it twice.
-            if not retryable or progress.texts > 0 or attempt >= self._max_retries:
-                raise error
-            delay = error.retry_after
-            if delay is None:
-                delay = min(0.5 * 2**attempt, 8.0) * random.uniform(0.75, 1.0)
-            elif delay > MAX_RETRY_AFTER_SECONDS:
-                raise error
-            log.warning(
-                "provider_retry", attempt=attempt + 1, code=error.code, delay=round(delay, 3)
-            )
+            delay = next_retry_delay(error, retryable, progress, attempt, self._max_retries)
             progress.next_attempt()
             attempt += 1
             await self._sleep(delay)

@@ -8,15 +8,19 @@ produced (DESIGN.md: streaming usage).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from contracts.metering import ChatMessage, ReplyBlock, TokenUsage, ToolSpec
+from servicekit.logs import get_logger
 
 # A server asking for a longer wait than this is answered with an error now.
 MAX_RETRY_AFTER_SECONDS = 60.0
+
+log = get_logger(__name__)
 
 # Awaited with each piece of text as the provider produces it, and the time it did;
 # awaited in order, so deltas are published in the order they were produced.
@@ -134,6 +138,27 @@ def retry_after(headers: Any) -> float | None:
             except ValueError:
                 continue
     return None
+
+
+def next_retry_delay(
+    error: ProviderError, retryable: bool, progress: Progress, attempt: int, max_retries: int
+) -> float:
+    """How long to wait before attempt `attempt + 1`; raises `error` when there is none.
+
+    One policy for every provider: only retryable failures, never once text was handed
+    on (a retry would publish it twice), at most `max_retries`, the server's
+    `retry-after` when it gave one (unless it asks for more than a person would wait),
+    otherwise exponential backoff with jitter.
+    """
+    if not retryable or progress.texts > 0 or attempt >= max_retries:
+        raise error
+    delay = error.retry_after
+    if delay is None:
+        delay = min(0.5 * 2**attempt, 8.0) * random.uniform(0.75, 1.0)
+    elif delay > MAX_RETRY_AFTER_SECONDS:
+        raise error
+    log.warning("provider_retry", attempt=attempt + 1, code=error.code, delay=round(delay, 3))
+    return delay
 
 
 class Providers:
