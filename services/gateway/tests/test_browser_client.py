@@ -128,6 +128,8 @@ async def test_markdown_renders_and_a_hostile_message_and_answer_stay_inert(
         })"""
     )
     assert inert == {"pwned": None, "scripts": 0, "handlers": 0, "jsLinks": 0}, inert
+    # nor fetch anything: no images, no SVG in what a model or a person wrote
+    assert await page.locator("#chat img, #chat svg").count() == 0
     await shot(page, "11-markdown-and-inert-payload")
     assert problems == []
 
@@ -160,6 +162,17 @@ async def test_the_writing_indicator_enter_and_shift_enter(
     assert await page.locator("#title").text_content() == "first line\nSLOW second line"
     assert await user.get_attribute("data-time")
     assert await page.locator("#chat").get_attribute("aria-live") == "polite"
+
+    # The keyboard: from the message box, Tab reaches Send; from the top, the skip link first.
+    await page.focus("#text")
+    await page.keyboard.press("Tab")
+    assert await page.evaluate("document.activeElement.textContent") == "Send"
+    await page.reload()
+    await page.locator("header .skip").wait_for(state="attached")
+    await page.keyboard.press("Tab")
+    assert await page.evaluate("document.activeElement.className") == "skip"
+    await page.keyboard.press("Enter")
+    assert page.url.endswith("#main")
     assert problems == []
 
 

@@ -40,14 +40,15 @@ export function el(tag, attrs = {}, ...children) {
 }
 
 // Markdown written by a model or a person, as safe DOM: marked renders it, DOMPurify keeps
-// only inert HTML (no script, no handler attributes, no javascript: links). Never innerHTML
-// of anything unsanitised.
+// only inert HTML (no script, no handler attributes, no javascript: links; no SVG or MathML;
+// no images, so an answer cannot make the browser fetch a URL). Never innerHTML of anything.
+const PURIFY = { USE_PROFILES: { html: true }, FORBID_TAGS: ["img", "style", "form", "input", "button", "textarea", "select"], RETURN_DOM_FRAGMENT: true };
 marked.use({ gfm: true, breaks: true });
 DOMPurify.addHook("afterSanitizeAttributes", (node) => {
   if (node.tagName === "A") { node.setAttribute("target", "_blank"); node.setAttribute("rel", "noopener noreferrer"); }
 });
 export function markdown(text) {
-  const fragment = DOMPurify.sanitize(marked.parse(text || ""), { RETURN_DOM_FRAGMENT: true });
+  const fragment = DOMPurify.sanitize(marked.parse(text || ""), PURIFY);
   // marked puts a newline between blocks: not part of what was said
   for (const node of [...fragment.childNodes]) {
     if (node.nodeType === Node.TEXT_NODE && !node.textContent.trim()) node.remove();
