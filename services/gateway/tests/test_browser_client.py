@@ -102,7 +102,7 @@ async def test_markdown_renders_and_a_hostile_message_and_answer_stay_inert(
     await say(page, PAYLOAD)  # the plain chat answers it, echoing it back
     await responses(page, 1)
     said = await event_id(page, EventType.CHAT_MESSAGE.value)
-    response = {"agent": "criativo", "text": MARKDOWN_ANSWER}
+    response: dict[str, object] = {"agent": "criativo", "text": MARKDOWN_ANSWER}
     await append(nc, session, EventType.AGENT_RESPONSE.value, response, said)
     await responses(page, 2)
     await page.locator("#chat pre code").wait_for()
