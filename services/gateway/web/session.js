@@ -187,6 +187,13 @@ function onEvent(e) {
   lastSeq = e.seq;
   kinds.set(e.id, e.type);
   logEvent(e);
+  onContent(e);
+  // An evidence chip points at a message or an answer: marked in the chat too.
+  const said = e.id === highlight && document.getElementById(`msg-${e.id}`);
+  if (said) { said.classList.add("highlight"); said.scrollIntoView({ block: "center" }); }
+}
+
+function onContent(e) {
   const p = e.payload;
   switch (e.type) {
     case "chat.message":
