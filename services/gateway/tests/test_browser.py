@@ -185,10 +185,11 @@ async def responses(page: Page, n: int) -> None:
 
 
 async def chat_texts(page: Page) -> list[tuple[str, str]]:
-    """(kind, text) of every bubble of the chat, top to bottom."""
+    """(kind, text) of every bubble of the chat, top to bottom, as a reader sees it (an
+    answer is rendered markdown: its paragraphs read as the blank lines that made them)."""
     got: list[list[str]] = await page.evaluate(
         """[...document.querySelectorAll('#chat .msg')].map(
-             (n) => [n.classList.contains('user') ? 'user' : 'agent', n.textContent])"""
+             (n) => [n.classList.contains('user') ? 'user' : 'agent', n.innerText])"""
     )
     return [(kind, text) for kind, text in got]
 

@@ -1,6 +1,16 @@
-// Shared by every page: the token, the API, the offline notice. No build step.
+// Shared by every page: the token, the API, the header, markdown, times. No build step.
+import { marked } from "/vendor/marked.esm.js";
+import DOMPurify from "/vendor/purify.es.mjs";
+
 export const params = new URLSearchParams(location.search);
-if (params.get("token")) sessionStorage.setItem("agentbus.token", params.get("token"));
+// The token arrives once in the link `make up` prints; it moves into session storage and
+// out of the address bar (and so out of the history, bookmarks and screenshots).
+if (params.get("token")) {
+  sessionStorage.setItem("agentbus.token", params.get("token"));
+  params.delete("token");
+  const rest = params.toString();
+  history.replaceState(history.state, "", `${location.pathname}${rest ? `?${rest}` : ""}${location.hash}`);
+}
 export const token = sessionStorage.getItem("agentbus.token") || "";
 
 function claims() {
@@ -29,18 +39,44 @@ export function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+// Markdown written by a model or a person, as safe DOM: marked renders it, DOMPurify keeps
+// only inert HTML (no script, no handler attributes, no javascript: links; no SVG or MathML;
+// no images, so an answer cannot make the browser fetch a URL). Never innerHTML of anything.
+const PURIFY = { USE_PROFILES: { html: true }, FORBID_TAGS: ["img", "style", "form", "input", "button", "textarea", "select"], RETURN_DOM_FRAGMENT: true };
+marked.use({ gfm: true, breaks: true });
+DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+  if (node.tagName === "A") { node.setAttribute("target", "_blank"); node.setAttribute("rel", "noopener noreferrer"); }
+});
+export function markdown(text) {
+  const fragment = DOMPurify.sanitize(marked.parse(text || ""), PURIFY);
+  // marked puts a newline between blocks: not part of what was said
+  for (const node of [...fragment.childNodes]) {
+    if (node.nodeType === Node.TEXT_NODE && !node.textContent.trim()) node.remove();
+  }
+  return fragment;
+}
+
+const TIME = new Intl.DateTimeFormat(undefined, { hour: "2-digit", minute: "2-digit" });
+const DATE_TIME = new Intl.DateTimeFormat(undefined, { dateStyle: "medium", timeStyle: "short" });
+export function shortTime(iso) { return TIME.format(new Date(iso)); }
+export function longTime(iso) { return DATE_TIME.format(new Date(iso)); }
+export function timeEl(iso, long = false) {
+  return el("time", { datetime: iso, title: longTime(iso) }, long ? longTime(iso) : shortTime(iso));
+}
+
 export async function header() {
-  const nav = document.querySelector("header");
-  nav.append(
-    el("a", { href: "/" }, "Sessions"), " · ",
-    el("a", { href: "/insights.html" }, "Insights"), " · ",
-    el("a", { href: "/usage.html" }, "Usage"),
-    el("span", { class: "project" }, ` project ${project}`),
+  const bar = document.querySelector("header");
+  const here = location.pathname === "/index.html" ? "/" : location.pathname;
+  const link = (href, label) => el("a", href === here ? { href, "aria-current": "page" } : { href }, label);
+  bar.prepend(el("a", { class: "skip", href: "#main" }, "Skip to content"));
+  bar.append(
+    el("nav", { "aria-label": "Main" }, link("/", "Sessions"), link("/insights.html", "Insights"), link("/usage.html", "Usage")),
+    el("span", { class: "project" }, `project ${project}`),
   );
-  if (!token) { nav.append(el("p", { class: "error" }, "No token: open the link `make up` printed.")); return; }
+  if (!token) { bar.append(el("p", { class: "error", role: "alert" }, "No token: open the link `make up` printed.")); return; }
   const me = await api("");
   if (me.offline_model) {
-    nav.append(el("p", { class: "offline", id: "offline" },
+    bar.append(el("p", { class: "offline", id: "offline" },
       "Offline model: replies come from the scripted provider (no ANTHROPIC_API_KEY)."));
   }
 }

@@ -5,7 +5,9 @@
 // of the turn in flight, so deltas are kept by (turn_id, seq) and each shown once; a
 // message typed while disconnected waits, shown as pending, and is sent on reconnect
 // with its `client_msg_id` (the gateway appends it once however often it is sent).
-import { el, header, params, token } from "/common.js";
+// Answers, rules and the brief are markdown rendered safely (common.js `markdown`); the chat
+// follows new text only while the reader is at its end, and says who is writing.
+import { el, header, longTime, markdown, params, shortTime, token } from "/common.js";
 import { Connection } from "/connection.js";
 
 const sessionId = params.get("id");
@@ -25,12 +27,61 @@ const pending = JSON.parse(sessionStorage.getItem(PENDING_KEY) || "[]");
 document.getElementById("session-id").textContent = sessionId.slice(0, 8);
 await header();
 
-function bubble(kind, text, id) {
+// --- following the conversation --------------------------------------------------
+
+// The chat follows new text while the reader is at its end; one who scrolled up to read
+// is left where they are.
+let following = true;
+chat.addEventListener("scroll", () => {
+  following = chat.scrollHeight - chat.scrollTop - chat.clientHeight < 48;
+});
+function follow() { if (following) chat.scrollTop = chat.scrollHeight; }
+
+function stamp(node, e) {
+  node.dataset.time = shortTime(e.created_at);
+  node.title = longTime(e.created_at);
+}
+
+function bubble(kind, text, e) {
   const node = el("div", { class: `msg ${kind}` }, text);
-  if (id) node.dataset.id = id;
+  if (e) {
+    node.dataset.id = e.id;
+    node.id = `msg-${e.id}`;
+    stamp(node, e);
+  }
   chat.append(node);
-  chat.scrollTop = chat.scrollHeight;
+  follow();
   return node;
+}
+
+// The session's title is its first message, as on the sessions page.
+let titled = false;
+function title(text) {
+  if (titled) return;
+  titled = true;
+  const short = text.length > 60 ? `${text.slice(0, 59)}…` : text;
+  document.getElementById("title").textContent = short;
+  document.title = `${short} · agentbus`;
+}
+
+// "Criativo is writing…": from a message (or the readiness) until its outcome is in the log.
+const writing = document.getElementById("writing");
+const awaiting = new Set();
+let writer = "The assistant"; // a session without Criativo: the plain chat answers
+let closed = false;
+function showWriting() {
+  const on = awaiting.size > 0 && !closed;
+  if (on) writing.textContent = `${writer} is writing…`;
+  writing.hidden = !on;
+}
+function awaitOutcome(cause) { if (!answered.has(cause)) awaiting.add(cause); showWriting(); }
+function outcome(cause) { awaiting.delete(cause); showWriting(); }
+
+// A link that brings an element of the page into view and marks it for a moment.
+function jumpTo(target) {
+  target.scrollIntoView({ block: "center", behavior: "smooth" });
+  target.classList.add("flash");
+  setTimeout(() => target.classList.remove("flash"), 2000);
 }
 
 function logEvent(e) {
@@ -90,7 +141,7 @@ function liveBubble(cause) {
   const body = el("span", { class: "text" });
   const node = brief
     ? el("div", { class: "brief-writing" }, el("strong", {}, "Writing the brief…"), el("p", {}, body))
-    : el("div", { class: "msg agent streaming" }, body);
+    : el("div", { class: "msg agent streaming", "aria-busy": "true" }, body);
   chat.append(node);
   live = { node, body, turns: new Map(), top: new Map() }; // top: highest seq per turn
   streaming.set(cause, live);
@@ -125,7 +176,8 @@ function onDelta(d) {
   else live.body.textContent = streamText(live);
   lastTurn = d.turn_id;
   stopButton.hidden = false;
-  chat.scrollTop = chat.scrollHeight;
+  awaitOutcome(d.message_id);
+  follow();
 }
 
 // --- the log's events ------------------------------------------------------------
@@ -135,46 +187,88 @@ function onEvent(e) {
   lastSeq = e.seq;
   kinds.set(e.id, e.type);
   logEvent(e);
+  onContent(e);
+  // An evidence chip points at a message or an answer: marked in the chat too.
+  const said = e.id === highlight && document.getElementById(`msg-${e.id}`);
+  if (said) { said.classList.add("highlight"); said.scrollIntoView({ block: "center" }); }
+}
+
+function onContent(e) {
   const p = e.payload;
   switch (e.type) {
     case "chat.message":
       if (p.client_msg_id) settlePending(p.client_msg_id);
-      bubble("user", p.text, e.id);
+      bubble("user", p.text, e);
+      title(p.text);
+      awaitOutcome(e.id);
+      break;
+    case "agent.activated":
+      if (p.agent === "criativo") writer = "Criativo";
+      break;
+    case "criativo.readiness_confirmed":
+      awaitOutcome(e.id);
       break;
     case "agent.response": {
       const live = endStream(e.causation_id);
-      const node = live ? live.node : bubble("agent", "", e.id);
+      outcome(e.causation_id);
+      const node = live ? live.node : bubble("agent", "", e);
       node.classList.remove("streaming");
+      node.removeAttribute("aria-busy");
       node.dataset.id = e.id;
-      node.replaceChildren(el("span", { class: "text" }, p.text));
+      node.id = `msg-${e.id}`;
+      stamp(node, e);
+      // A stopped answer is shown as it was cut, not as markdown it never finished.
+      node.replaceChildren(el("span", { class: "text" }, p.stopped ? p.text : markdown(p.text)));
       if (p.stopped) {
         node.classList.add("stopped");
         node.append(el("span", { class: "stopped-note" }, " (stopped)"));
       }
       if (!p.text && !p.stopped) node.remove();
+      follow();
       break;
     }
     case "agent.error": {
       const live = endStream(e.causation_id);
+      outcome(e.causation_id);
       if (live) live.node.remove();
-      bubble("agent-error", `${p.agent}: ${p.reason}`, e.id);
+      bubble("agent-error", `${p.agent}: ${p.reason}`, e);
       break;
     }
-    case "artifact.business_rule":
-      document.getElementById("rules").append(
-        el("div", { class: "rule-card", "data-id": e.id }, el("strong", {}, p.title), el("p", {}, p.statement)));
+    case "artifact.business_rule": {
+      const card = el("div", { class: "rule-card", "data-id": e.id },
+        el("h3", {}, p.title), el("div", { class: "statement" }, markdown(p.statement)));
+      // Linked to the message it came from (its last `origin`), shown in the chat.
+      const origin = (p.origin || []).at(-1);
+      if (origin) {
+        card.append(el("a", {
+          class: "from", href: `#msg-${origin}`,
+          onclick: (ev) => {
+            const said = document.getElementById(`msg-${origin}`);
+            if (!said) return;
+            ev.preventDefault();
+            jumpTo(said);
+          },
+        }, "From the message"));
+      }
+      document.getElementById("rules").append(card);
       break;
+    }
     case "artifact.product_brief": {
-      const card = el("div", { class: "brief", "data-id": e.id }, el("strong", {}, `Brief: ${p.title}`), el("p", {}, p.summary));
+      // The brief as a document: a title, its summary, its details.
+      const card = el("article", { class: "brief", "data-id": e.id, "aria-label": `Product brief: ${p.title}` },
+        el("h3", {}, `Brief: ${p.title}`), el("div", { class: "summary" }, markdown(p.summary)));
+      if (p.details) card.append(el("div", { class: "details" }, markdown(p.details)));
       const live = endStream(e.causation_id);
+      outcome(e.causation_id);
       if (live) live.node.replaceWith(card);
       else chat.append(card);
+      follow();
       break;
     }
     case "handoff.offered": {
       const accept = el("button", { onclick: () => act({ type: "accept_handoff", handoff_id: p.handoff_id }) }, "Accept");
       const reject = el("button", { onclick: () => act({ type: "reject_handoff", handoff_id: p.handoff_id }) }, "Reject");
-      chat.append(el("div", { class: "divider", id: `handoff-${p.handoff_id}` },
+      chat.append(el("div", { class: "divider", id: `handoff-${p.handoff_id}`, role: "group", "aria-label": "Handoff offer" },
         `Handoff: ${p.from_agent} → ${p.to_agent} `, accept, " ", reject));
       break;
     }
@@ -187,6 +281,8 @@ function onEvent(e) {
     }
     case "session.closed": case "session.closed_abnormally":
       document.getElementById("status").textContent = e.type === "session.closed" ? "closed" : `closed: ${p.reason}`;
+      closed = true;
+      showWriting();
       // Nothing is accepted in a closed session (RN-581): its offers are no longer actionable.
       chat.querySelectorAll(".divider button").forEach((b) => b.remove());
       break;
@@ -257,6 +353,12 @@ stopButton.onclick = () => {
   stopButton.disabled = true;
   stopButton.textContent = "Stopping…";
 };
+// Enter sends, Shift+Enter starts a new line (and Enter while composing text is left alone).
+document.getElementById("text").addEventListener("keydown", (ev) => {
+  if (ev.key !== "Enter" || ev.shiftKey || ev.isComposing) return;
+  ev.preventDefault();
+  document.getElementById("say").requestSubmit();
+});
 document.getElementById("say").onsubmit = (ev) => {
   ev.preventDefault();
   const input = document.getElementById("text");
@@ -267,4 +369,6 @@ document.getElementById("say").onsubmit = (ev) => {
   showPending(item);
   input.value = "";
   flushPending();
+  following = true; // what the person just said is where they want to be
+  follow();
 };

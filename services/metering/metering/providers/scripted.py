@@ -154,13 +154,13 @@ def _criativo_rule(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseB
     said = _text_of(request.messages[-1])
     ids = UUID_PATTERN.findall(said)
     words = _words(said).split()
-    reply = f"Entendi. Você quer: {' '.join(words[:12])}. Quem vai usar isso no dia a dia?"
+    reply = f"Understood. You want: {' '.join(words[:12])}. Who will use this day to day?"
     if not ids:
         return reply, []
     rule = {
         "type": "business_rule",
-        "title": " ".join(words[:6]) or "Regra",
-        "statement": _words(said)[:500] or "Regra dita pela pessoa.",
+        "title": " ".join(words[:6]) or "Rule",
+        "statement": _words(said)[:500] or "A rule the person stated.",
         "origin": [ids[-1]],
     }
     return reply, [ToolUseBlock(id=f"toolu_scripted_{n}", name="emit_artifact", input=rule)]
@@ -183,7 +183,7 @@ def _criativo_brief(request: ProviderRequest, n: int) -> tuple[str, list[ToolUse
 
 def _echo(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
     said = " ".join(_words(_text_of(request.messages[-1])).split()[:20])
-    return f"Entendi: «{said}». Conte-me mais sobre isso.", []
+    return f"Understood: “{said}”. Tell me more about it.", []
 
 
 RESPONDERS: dict[str, Callable[[ProviderRequest, int], tuple[str, list[ToolUseBlock]]]] = {
@@ -280,10 +280,10 @@ DEFAULT_SCRIPT = Script(
         ScriptStep(
             has_tool="emit_hypotheses", after_tool_error=True, responder="psychologist_hypotheses"
         ),
-        ScriptStep(has_tool="emit_hypotheses", text="Análise concluída."),
+        ScriptStep(has_tool="emit_hypotheses", text="Analysis complete."),
         ScriptStep(contains="product_brief", responder="criativo_brief"),
         ScriptStep(has_tool="emit_artifact", after_tool_result=False, responder="criativo_rule"),
-        ScriptStep(has_tool="emit_artifact", text="Anotei essa regra. O que mais é importante?"),
+        ScriptStep(has_tool="emit_artifact", text="I noted that rule. What else matters?"),
         ScriptStep(responder="echo"),
     ],
 )

@@ -1,0 +1,364 @@
+"""The web client as people use it (issue 16), in Debian's headless Chromium: markdown that
+renders safely, the writing indicator, Enter / Shift+Enter, a reader who scrolled up left
+alone, the token out of the address bar, the session list, rule cards linked to their
+message, Insights filters, the usage chart, dark mode, a phone's width, and axe-core (vendored,
+injected into each page) finding no serious or critical violation on any page."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from playwright.async_api import Browser, Page, async_playwright
+
+from contracts import subjects
+from contracts.events import EventType
+from contracts.session_events import AppendedReply, AppendEvent
+from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
+from servicekit.client import call
+from servicekit.testing import wait_for
+
+from .conftest import Gateway
+from .test_browser import (
+    ARGS,
+    CHROMIUM,
+    INSTALLED,
+    append,
+    event_id,
+    open_session_page,
+    responses,
+    say,
+    session_on_page,
+    shot,
+)
+
+AXE = Path(__file__).parent / "vendor" / "axe.min.js"
+
+SLOW_ANSWER = " ".join(f"word{i}" for i in range(40))
+
+# What a hostile message or answer would carry: none of it may run.
+PAYLOAD = (
+    '<img src="x" onerror="window.__pwned = 1"> <script>window.__pwned = 2</script> '
+    '<a href="javascript:window.__pwned = 3">click</a> <svg onload="window.__pwned = 4"></svg>'
+)
+MARKDOWN_ANSWER = (
+    "Here is **the plan**:\n\n"
+    "- first item\n- second item\n\n"
+    "```python\nprint('hello')\n```\n\n"
+    f"And the odd part: {PAYLOAD} [a bad link](javascript:window.__pwned=5)"
+)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def browser() -> AsyncIterator[Browser]:
+    assert INSTALLED, "Debian's chromium is missing: .ci/run installs it"
+    async with async_playwright() as pw:
+        chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield chromium
+        await chromium.close()
+
+
+@pytest.fixture
+def script() -> Script:
+    slow = ScriptStep(contains="SLOW", text=SLOW_ANSWER, token_delay_ms=25)
+    return DEFAULT_SCRIPT.model_copy(
+        update={"token_delay_ms": 5.0, "steps": [slow, *DEFAULT_SCRIPT.steps]}
+    )
+
+
+async def axe_problems(page: Page) -> list[str]:
+    """axe-core's serious and critical violations on the page as it is now."""
+    await page.add_script_tag(path=str(AXE))
+    found: list[dict[str, Any]] = await page.evaluate(
+        """async () => {
+          const r = await axe.run(document, { resultTypes: ["violations"] });
+          return r.violations
+            .filter((v) => v.impact === "serious" || v.impact === "critical")
+            .map((v) => ({
+              id: v.id, impact: v.impact, nodes: v.nodes.map((n) => n.target.join(" ")),
+            }));
+        }"""
+    )
+    return [f"{v['impact']} {v['id']}: {v['nodes']}" for v in found]
+
+
+def watch_errors(page: Page) -> list[str]:
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    return problems
+
+
+@pytest.mark.timeout(90)
+async def test_markdown_renders_and_a_hostile_message_and_answer_stay_inert(
+    gateway: Gateway, browser: Browser, nc: Client
+) -> None:
+    page = await browser.new_page()
+    problems = watch_errors(page)
+    session = await session_on_page(gateway, page)
+    await say(page, PAYLOAD)  # the plain chat answers it, echoing it back
+    await responses(page, 1)
+    said = await event_id(page, EventType.CHAT_MESSAGE.value)
+    response: dict[str, object] = {"agent": "criativo", "text": MARKDOWN_ANSWER}
+    await append(nc, session, EventType.AGENT_RESPONSE.value, response, said)
+    await responses(page, 2)
+    await page.locator("#chat pre code").wait_for()
+
+    # The person's words are shown as they were typed: text, never markup.
+    user = page.locator("#chat .msg.user").first
+    assert await user.text_content() == PAYLOAD
+    assert await user.locator("img, script, a, svg").count() == 0
+    # The answer is markdown: bold, a list, a code block.
+    answer = page.locator("#chat .msg.agent").nth(1)
+    assert await answer.locator("strong").first.text_content() == "the plan"
+    assert await answer.locator("ul li").count() == 2
+    assert await answer.locator("pre code").text_content() == "print('hello')\n"
+    # ...and nothing in either answer can run.
+    inert = await page.evaluate(
+        """() => ({
+          pwned: window.__pwned ?? null,
+          scripts: document.querySelectorAll('#chat script').length,
+          handlers: [...document.querySelectorAll('#chat *')].filter(
+            (n) => [...n.attributes].some((a) => a.name.startsWith('on'))).length,
+          jsLinks: [...document.querySelectorAll('#chat a')].filter(
+            (a) => /^\\s*javascript:/i.test(a.getAttribute('href') || '')).length,
+        })"""
+    )
+    assert inert == {"pwned": None, "scripts": 0, "handlers": 0, "jsLinks": 0}, inert
+    # nor fetch anything: no images, no SVG in what a model or a person wrote
+    assert await page.locator("#chat img, #chat svg").count() == 0
+    await shot(page, "11-markdown-and-inert-payload")
+    assert problems == []
+
+
+@pytest.mark.timeout(90)
+async def test_the_writing_indicator_enter_and_shift_enter(
+    gateway: Gateway, browser: Browser
+) -> None:
+    page = await browser.new_page()
+    problems = watch_errors(page)
+    await open_session_page(gateway, page)
+    writing = page.locator("#writing")
+    assert await writing.is_hidden()
+    await page.fill("#text", "first line")
+    await page.press("#text", "Shift+Enter")  # a new line, not a send
+    await page.type("#text", "SLOW second line")
+    assert await page.input_value("#text") == "first line\nSLOW second line"
+    assert await page.locator("#chat .msg.user").count() == 0
+    await page.press("#text", "Enter")
+    await writing.wait_for(state="visible")
+    assert await writing.text_content() == "Criativo is writing…"
+    assert await writing.get_attribute("role") == "status"  # read out by screen readers
+    await shot(page, "12-criativo-is-writing")
+    await responses(page, 1)
+    await writing.wait_for(state="hidden")
+    assert await page.input_value("#text") == ""
+    user = page.locator("#chat .msg.user")
+    assert await user.text_content() == "first line\nSLOW second line"
+    # the message is the session's title, and it carries the time it was said
+    assert await page.locator("#title").text_content() == "first line\nSLOW second line"
+    assert await user.get_attribute("data-time")
+    assert await page.locator("#chat").get_attribute("aria-live") == "polite"
+
+    # The keyboard: from the message box, Tab reaches Send; from the top, the skip link first.
+    await page.focus("#text")
+    await page.keyboard.press("Tab")
+    assert await page.evaluate("document.activeElement.textContent") == "Send"
+    await page.reload()
+    await page.locator("header .skip").wait_for(state="attached")
+    await page.keyboard.press("Tab")
+    assert await page.evaluate("document.activeElement.className") == "skip"
+    await page.keyboard.press("Enter")
+    assert page.url.endswith("#main")
+    assert problems == []
+
+
+async def said_elsewhere(nc: Client, session: str, text: str) -> None:
+    """A message of the person's that the page did not type (another tab, say)."""
+    await call(
+        nc,
+        subjects.EVENTS_APPEND,
+        AppendEvent(
+            session_id=session,
+            type=EventType.CHAT_MESSAGE.value,
+            actor="user:dev",
+            payload={"text": text},
+        ),
+        AppendedReply,
+    )
+
+
+AT_END = (
+    "(c => c.scrollHeight - c.scrollTop - c.clientHeight < 48)(document.getElementById('chat'))"
+)
+# Two frames: the scroll event of a scroll just made has been handled.
+FRAMES = "new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)))"
+
+
+@pytest.mark.timeout(90)
+async def test_a_reader_who_scrolled_up_is_left_there_and_one_at_the_end_follows(
+    gateway: Gateway, browser: Browser, nc: Client
+) -> None:
+    page = await browser.new_page(viewport={"width": 400, "height": 500})
+    session = await session_on_page(gateway, page)
+    for n in range(3):
+        await say(page, f"SLOW {n}")  # the plain chat answers each (no Criativo here)
+        await responses(page, n + 1)
+    overflowing = "(c => c.scrollHeight > c.clientHeight)(document.getElementById('chat'))"
+    assert await page.evaluate(overflowing)
+    assert await page.evaluate(AT_END), "the chat did not follow the answers"
+
+    # The reader scrolls up to read; a message and its answer arrive below.
+    await page.evaluate("document.getElementById('chat').scrollTop = 0")
+    await page.evaluate(FRAMES)
+    await said_elsewhere(nc, session, "SLOW from another tab")
+    await page.wait_for_function(
+        "document.querySelector('.msg.agent.streaming')?.textContent.includes('word10')"
+    )
+    assert await page.evaluate("document.getElementById('chat').scrollTop") == 0
+    await responses(page, 4)
+    assert await page.evaluate("document.getElementById('chat').scrollTop") == 0
+
+    # Back at the end, the chat follows again.
+    await page.evaluate("(c => { c.scrollTop = c.scrollHeight })(document.getElementById('chat'))")
+    await page.evaluate(FRAMES)
+    await said_elsewhere(nc, session, "SLOW once more")
+    await responses(page, 5)
+    await page.evaluate(FRAMES)
+    assert await page.evaluate(AT_END), "the chat stopped following at the end"
+
+
+@pytest.mark.timeout(60)
+async def test_the_token_moves_from_the_address_into_session_storage(
+    gateway: Gateway, browser: Browser
+) -> None:
+    page = await browser.new_page()
+    token = gateway.token()
+    await page.goto(f"{gateway.url}/?token={token}")
+    await page.locator("#offline").wait_for()
+    assert "token" not in page.url
+    assert await page.evaluate("sessionStorage.getItem('agentbus.token')") == token
+    await page.goto(f"{gateway.url}/usage.html")  # no token in the link: still signed in
+    await page.locator("#usage[data-loaded]").wait_for()
+    assert await page.locator("header .error").count() == 0
+
+
+@pytest.mark.timeout(240)
+async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
+    gateway: Gateway, browser: Browser
+) -> None:
+    """One whole session, then every page checked by axe, light and dark, desk and phone."""
+    page = await browser.new_page()
+    problems = watch_errors(page)
+    await open_session_page(gateway, page)
+    first = "A recipes app for the family, with a shopping list"
+    await say(page, first)
+    await responses(page, 1)
+    session = page.url.split("id=")[1]
+
+    # The rule card is linked to the message it came from.
+    link = page.locator(".rule-card a.from").first
+    await link.wait_for(timeout=30_000)
+    said = await event_id(page, EventType.CHAT_MESSAGE.value)
+    assert await link.get_attribute("href") == f"#msg-{said}"
+    await link.click()
+    await page.locator(f"#msg-{said}.flash").wait_for()
+    assert problems == []
+    session_problems = await axe_problems(page)
+    assert session_problems == [], session_problems
+    await page.click("#ready")
+    brief = page.locator("article.brief")
+    await brief.wait_for(timeout=30_000)
+    assert await brief.locator("h3").text_content() == "Brief: Product brief"
+    assert await brief.locator(".details").count() == 1  # the brief as a document
+    await page.click("#close")
+    await page.locator(f'#events li[data-type="{EventType.SESSION_CLOSED.value}"]').wait_for(
+        state="attached"
+    )
+
+    # The session list: its title (the first message), its status, its last activity.
+    await page.goto(f"{gateway.url}/")
+    item = page.locator(f'#sessions li[data-id="{session}"]')
+    await item.wait_for()
+    await page.locator("#sessions[data-loaded]").wait_for(state="attached")
+    assert await item.locator(".title").text_content() == first
+    assert await item.locator(".status").text_content() == "closed"
+    assert "last activity" in (await item.text_content() or "")
+    assert await item.locator("time").count() == 2
+
+    async def analysed() -> bool:
+        async with gateway.http() as http:
+            r = await http.get(f"/api/projects/{gateway.project}/insights")
+            return bool(r.json()["groups"])
+
+    await wait_for(analysed, timeout=60, what="the psychologist's hypotheses")
+
+    # Insights: filters by status, tier and session; accept/dismiss inline.
+    await page.goto(f"{gateway.url}/insights.html")
+    await page.locator("#groups[data-loaded]").wait_for(state="attached")
+    cards = page.locator(".hypothesis")
+    total = await cards.count()
+    assert total >= 1
+    await page.select_option("#f-status", "accepted")
+    assert await cards.count() == 0
+    await page.select_option("#f-status", "proposed")
+    assert await cards.count() == total
+    await page.select_option("#f-tier", "pesada")  # a short session: a light analysis
+    assert await cards.count() == 0
+    await page.select_option("#f-tier", "leve")
+    assert await cards.count() == total
+    await page.select_option("#f-session", session)
+    assert await cards.count() == total
+    assert first[:50] in (await page.locator("#f-session option:checked").text_content() or "")
+    await page.select_option("#f-status", "")
+    await cards.first.locator("button", has_text="Dismiss").click()
+    await page.locator('.hypothesis[data-status="dismissed"]').first.wait_for()
+    await page.select_option("#f-status", "dismissed")
+    assert await cards.count() == 1
+
+    # Usage: cost per day as a chart, cache columns per agent and model.
+    await page.goto(f"{gateway.url}/usage.html")
+    await page.locator("#usage[data-loaded]").wait_for(state="attached")
+    assert await page.locator("#chart svg rect.bar").count() >= 1
+    headers = await page.locator("#usage th").all_text_contents()
+    assert {"cache read", "cache write", "cache share"} <= set(headers), headers
+    assert await page.locator("#usage tbody tr").count() >= 2  # criativo and the psychologist
+
+    pages = {
+        "sessions": "/",
+        "session": f"/session.html?id={session}",
+        "insights": "/insights.html",
+        "usage": "/usage.html",
+    }
+    ready = {
+        "sessions": "#sessions[data-loaded]",
+        "session": f'#events li[data-type="{EventType.SESSION_CLOSED.value}"]',
+        "insights": "#groups[data-loaded]",
+        "usage": "#usage[data-loaded]",
+    }
+    for scheme in ("light", "dark"):
+        await page.emulate_media(color_scheme=scheme)
+        for name, path in pages.items():
+            await page.goto(f"{gateway.url}{path}")
+            await page.locator(ready[name]).first.wait_for(state="attached")
+            background = await page.evaluate("getComputedStyle(document.body).backgroundColor")
+            assert (background == "rgb(21, 22, 26)") == (scheme == "dark"), background
+            found = await axe_problems(page)
+            assert found == [], f"{name} ({scheme}): {found}"
+            await shot(page, f"a11y-{name}-{scheme}")
+
+    # A phone's width: one column, nothing wider than the screen.
+    phone = await browser.new_page(viewport={"width": 390, "height": 844})
+    await phone.goto(f"{gateway.url}/?token={gateway.token()}")
+    for name, path in pages.items():
+        await phone.goto(f"{gateway.url}{path}")
+        await phone.locator(ready[name]).first.wait_for(state="attached")
+        wide = await phone.evaluate("document.documentElement.scrollWidth")
+        assert wide <= 390, f"{name} is {wide}px wide on a 390px phone"
+        found = await axe_problems(phone)
+        assert found == [], f"{name} (phone): {found}"
+        await shot(phone, f"phone-{name}")
+    assert problems == []
