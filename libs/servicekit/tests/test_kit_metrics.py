@@ -1,6 +1,7 @@
 """Metrics and health of a kit service (servicekit.metrics), against a real NATS and a
-real Postgres: `/metrics`, `/livez`, `/readyz` (false while Postgres is unreachable),
-and `$SRV.STATS` counting error replies and the handlers' own time."""
+real Postgres: `/metrics`, `/livez`, `/readyz` (false while Postgres or NATS is
+unreachable, the process alive all along), and `$SRV.STATS` counting error replies and
+the handlers' own time."""
 
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ class Quotient(BaseModel):
 
 
 class TcpProxy:
-    """A loopback TCP relay to a server, which the test can cut (and restore)."""
+    """A loopback TCP relay to a server (Postgres or NATS, by its URL), which the test
+    can cut (and restore on the same port)."""
 
-    def __init__(self, database_url: str) -> None:
-        self._target = urlsplit(database_url)
+    def __init__(self, url: str) -> None:
+        self._target = urlsplit(url)
         self._server: asyncio.Server | None = None
         self._links: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -227,3 +229,46 @@ async def test_srv_stats_count_error_replies_and_the_handlers_time(
         assert endpoint["processing_time"] >= worked
     finally:
         await stop(task)
+
+
+async def test_readiness_follows_the_nats_connection(
+    nats_url: str, database_url: str, nc: Client
+) -> None:
+    relay = TcpProxy(nats_url)
+    await relay.start()
+    svc = divider(f"kitnats{uuid.uuid4().hex[:6]}")
+    settings = ServiceSettings(NATS_URL=through(nats_url, relay), DATABASE_URL=database_url)
+    runtimes: list[Runtime] = []
+
+    async def run() -> None:
+        async with svc.open(settings) as rt:
+            runtimes.append(rt)
+            await svc.serve(rt)
+
+    task = asyncio.create_task(run())
+    http = httpx.AsyncClient(timeout=5)
+    try:
+        await wait_for(lambda: runtimes or (task.done() and task.result()), what="the runtime")
+        assert runtimes[0].metrics is not None
+        base = runtimes[0].metrics.url
+
+        async def readiness() -> httpx.Response:
+            return await http.get(f"{base}/readyz")
+
+        await wait_for(lambda: _status(readiness(), 200), what="readiness")
+        await relay.cut()
+        unready = await wait_for(lambda: _status(readiness(), 503), what="unready without NATS")
+        assert "nats FAIL" in unready.text and "postgres ok" in unready.text
+        assert (await http.get(f"{base}/livez")).status_code == 200  # alive all along
+        await relay.start()
+        await wait_for(lambda: _status(readiness(), 200), timeout=20, what="ready again")
+    finally:
+        await http.aclose()
+        await stop(task)
+        with contextlib.suppress(Exception):
+            await relay.cut()
+
+
+async def _status(response: Any, status: int) -> httpx.Response | None:
+    answered: httpx.Response = await response
+    return answered if answered.status_code == status else None
