@@ -62,6 +62,16 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         )
         stack = json.loads((tmp_path / "state" / "stack.json").read_text())
         assert stack["nats_url"].startswith("nats://127.0.0.1:")
+        # each kit service's metrics URL is listed, and answers
+        urls = [
+            line.split("metrics ", 1)[1].strip()
+            for line in (tmp_path / "up.log").read_text().splitlines()
+            if line.strip().startswith("metrics http://127.0.0.1:")
+        ]
+        assert len(urls) >= 5, urls  # every service on the kit (the gateway is not, yet)
+        async with httpx.AsyncClient(timeout=10) as http:
+            for url in urls:
+                assert "agentbus_command_duration_seconds" in (await http.get(url)).text
 
         opened = agentbus(
             "call",

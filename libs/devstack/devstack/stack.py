@@ -172,6 +172,9 @@ async def _describe(
             info = json.loads(msg.data)
             commands = ", ".join(sorted(e["subject"] for e in info["endpoints"]))
             lines.append(f"  {spec.name:<16} {commands}")
+            # Announced by the kit in its micro metadata (servicekit.metrics).
+            if metrics := (info.get("metadata") or {}).get("metrics"):
+                lines.append(f"  {'':<16} metrics {metrics}/metrics")
     finally:
         await nc.close()
     return lines

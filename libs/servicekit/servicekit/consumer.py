@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +39,12 @@ from contracts import subjects
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
 from servicekit.logs import get_logger
+from servicekit.metrics import (
+    CONSUMER_DELIVERIES,
+    CONSUMER_HANDLER_SECONDS,
+    CONSUMER_REDELIVERIES,
+    DEAD_LETTERS,
+)
 from servicekit.telemetry import span_from_headers
 
 log = get_logger(__name__)
@@ -205,18 +212,31 @@ class DurableConsumer:
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered
         msg_id = (msg.headers or {}).get("Nats-Msg-Id")
+        durable = self.spec.durable
+        CONSUMER_DELIVERIES.labels(durable).inc()
+        if deliveries > 1:
+            CONSUMER_REDELIVERIES.labels(durable).inc()
+        started = time.perf_counter()
+
+        def took(outcome: str) -> None:
+            elapsed = time.perf_counter() - started
+            CONSUMER_HANDLER_SECONDS.labels(durable, outcome).observe(elapsed)
+
         with span_from_headers(f"consume {self.spec.durable}", msg.headers, subject=msg.subject):
             try:
                 await self._handler(msg)
             except Permanent as exc:
+                took("dead_letter")
                 await self._give_up(msg, f"permanent: {exc}")
                 return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if deliveries >= self.spec.max_deliver:
+                    took("dead_letter")
                     await self._give_up(msg, f"exhausted {deliveries} deliveries: {exc!r}")
                     return
+                took("retry")
                 delay = self.spec.delay_after(deliveries)
                 log.warning(
                     "consumer_retry",
@@ -229,6 +249,7 @@ class DurableConsumer:
                 )
                 await msg.nak(delay=delay)
                 return
+        took("ack")
         await msg.ack()
 
     async def _give_up(self, msg: Msg, reason: str) -> None:
@@ -272,6 +293,8 @@ class DurableConsumer:
             reason,
             body,
         )
+        # The event type (`<domain>.<name>`), not the whole subject: ids are unbounded.
+        DEAD_LETTERS.labels(self.spec.durable, ".".join(subject.split(".")[:2])).inc()
         with contextlib.suppress(Exception):  # the table is the record; the subject a signal
             await self._js.publish(
                 f"{subjects.DEAD_LETTER_PREFIX}.{self.spec.durable}",

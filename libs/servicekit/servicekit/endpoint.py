@@ -7,14 +7,20 @@ never a crash. Endpoints are registered with `nats.micro`, so `$SRV.PING`,
 share the load through the service's queue group.
 
 nats-py runs one subscription's callbacks one after another, so each request is
-handled in its own task (bounded by `concurrency`); micro's per-endpoint timing
-therefore measures hand-off, not the handler.
+handled in its own task (bounded by `concurrency`). micro counts an error and times a
+request only around its handler callback, which here returns at hand-off: so the
+kit adds each answered request's own time and its error to the endpoint's `$SRV.STATS`
+itself (`_MicroStats`), and sends error replies with micro's error headers
+(`Nats-Service-Error`, `Nats-Service-Error-Code`: the code) besides the error body
+every caller reads. Each command is also timed and its errors counted in Prometheus
+(servicekit.metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,12 +29,13 @@ import asyncpg
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
-from nats.micro.service import EndpointConfig, Service
+from nats.micro.service import Endpoint, EndpointConfig, Service
 from pydantic import BaseModel, ValidationError
 
 from contracts.common import ErrorBody, ErrorCode, ErrorReply, Message
 from domain.errors import DomainError
 from servicekit.logs import get_logger
+from servicekit.metrics import COMMAND_ERRORS, COMMAND_SECONDS
 from servicekit.telemetry import span_from_headers
 
 log = get_logger(__name__)
@@ -65,8 +72,43 @@ class Command:
 
 def error_reply(code: ErrorCode | str, message: str, **details: Any) -> bytes:
     """The serialised error reply every caller knows how to read."""
+    return _error(code, message, **details).body
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A serialised reply, and its error code when it is an error reply."""
+
+    body: bytes
+    error: ErrorBody | None = None
+
+
+def _error(code: ErrorCode | str, message: str, **details: Any) -> Answer:
     body = ErrorBody(code=str(code), message=message, details=details)
-    return ErrorReply(error=body).model_dump_json().encode()
+    return Answer(ErrorReply(error=body).model_dump_json().encode(), body)
+
+
+class _MicroStats:
+    """Adds a handled request's time and error to its micro endpoint's `$SRV.STATS`.
+
+    nats-py keeps those numbers in the endpoint's private fields and updates them only
+    around the callback (the hand-off here); there is no public way to report a
+    request answered later. The kit's test of `$SRV.STATS` breaks if they change.
+    """
+
+    def __init__(self) -> None:
+        self.endpoint: Endpoint | None = None  # exists once micro added it
+
+    def record(self, elapsed_ns: int, error: ErrorBody | None) -> None:
+        ep = self.endpoint
+        if ep is None:
+            return
+        ep._processing_time += elapsed_ns
+        if ep._num_requests:
+            ep._average_processing_time = int(ep._processing_time / ep._num_requests)
+        if error is not None:
+            ep._num_errors += 1
+            ep._last_error = f"{error.code}: {error.message}"  # type: ignore[assignment]
 
 
 def _invalid_request(exc: ValidationError) -> DomainError:
@@ -105,8 +147,11 @@ class Endpoints:
 
         return register
 
-    async def start(self, nc: Client, concurrency: int = 256, instance: str = "") -> Service:
-        """Subscribe every command in the service's queue group; return the micro service."""
+    async def start(
+        self, nc: Client, concurrency: int = 256, instance: str = "", metrics_url: str = ""
+    ) -> Service:
+        """Subscribe every command in the service's queue group; return the micro service.
+        `metrics_url` is announced in its metadata, where `agentbus up` finds it."""
         service = await add_service(
             nc,
             name=self.service,
@@ -114,18 +159,20 @@ class Endpoints:
             description=self.description,
             queue_group=self.service,
             # lets a supervisor or a test tell the replicas apart in $SRV.PING replies
-            metadata={"instance": instance, "pid": str(os.getpid())},
+            metadata={"instance": instance, "pid": str(os.getpid()), "metrics": metrics_url},
         )
         limit = asyncio.Semaphore(concurrency)
         for command in self.commands:
+            stats = _MicroStats()
             await service.add_endpoint(
                 EndpointConfig(
                     name=command.name,
                     subject=command.subject,
-                    handler=self._dispatcher(command, limit),
+                    handler=self._dispatcher(command, limit, stats),
                     metadata={"request": command.request.__name__},
                 )
             )
+            stats.endpoint = service._endpoints[-1]
         return service
 
     async def drain(self) -> None:
@@ -134,11 +181,11 @@ class Endpoints:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _dispatcher(
-        self, command: Command, limit: asyncio.Semaphore
+        self, command: Command, limit: asyncio.Semaphore, stats: _MicroStats
     ) -> Callable[[Request], Awaitable[None]]:
         async def dispatch(request: Request) -> None:
             await limit.acquire()  # back-pressure: stop reading when saturated
-            task = asyncio.create_task(self._answer(command, request))
+            task = asyncio.create_task(self._answer(command, request, stats))
             self._tasks.add(task)
 
             def finished(t: asyncio.Task[None]) -> None:
@@ -149,16 +196,37 @@ class Endpoints:
 
         return dispatch
 
-    async def _answer(self, command: Command, request: Request) -> None:
+    async def _answer(self, command: Command, request: Request, stats: _MicroStats) -> None:
+        started = time.perf_counter_ns()
         with span_from_headers(command.subject, request.headers):
-            body = await self.handle_raw(command, request.data)
+            answer = await self.answer(command, request.data)
         try:
-            await request.respond(body)
+            if answer.error is None:
+                await request.respond(answer.body)
+            else:
+                # Header values are one line; the body keeps the whole message.
+                description = (
+                    answer.error.message.splitlines()[0][:200] if answer.error.message else ""
+                )
+                await request.respond_error(answer.error.code, description, answer.body)
         except Exception as exc:  # published without a reply subject, or the bus went away
             log.warning("command_reply_failed", subject=command.subject, error=repr(exc))
+        stats.record(time.perf_counter_ns() - started, answer.error)
 
     async def handle_raw(self, command: Command, data: bytes) -> bytes:
         """Parse, validate, run and serialise one request; every failure becomes an error reply."""
+        return (await self.answer(command, data)).body
+
+    async def answer(self, command: Command, data: bytes) -> Answer:
+        """`handle_raw`, with the error code of an error reply, timed and counted."""
+        started = time.perf_counter()
+        answer = await self._run(command, data)
+        COMMAND_SECONDS.labels(command.subject).observe(time.perf_counter() - started)
+        if answer.error is not None:
+            COMMAND_ERRORS.labels(command.subject, answer.error.code).inc()
+        return answer
+
+    async def _run(self, command: Command, data: bytes) -> Answer:
         try:
             if len(data) > MAX_REQUEST_BYTES:
                 raise DomainError(
@@ -172,13 +240,13 @@ class Endpoints:
             except ValidationError as exc:
                 raise _invalid_request(exc) from None
             reply = await command.handler(parsed)
-            return reply.model_dump_json().encode()
+            return Answer(reply.model_dump_json().encode())
         except DomainError as exc:
             log.info("command_refused", subject=command.subject, code=exc.code, reason=exc.message)
-            return error_reply(exc.code, exc.message, **exc.details)
+            return _error(exc.code, exc.message, **exc.details)
         except UNAVAILABLE_ERRORS as exc:
             log.warning("command_unavailable", subject=command.subject, error=repr(exc))
-            return error_reply(ErrorCode.UNAVAILABLE, f"temporarily unavailable, retry: {exc!r}")
+            return _error(ErrorCode.UNAVAILABLE, f"temporarily unavailable, retry: {exc!r}")
         except Exception as exc:
             log.exception("command_failed", subject=command.subject)
-            return error_reply(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            return _error(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")

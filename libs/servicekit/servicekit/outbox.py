@@ -18,7 +18,8 @@ on is skipped (an advisory lock per key). Rows without a key have no order.
 Failures: a transient one (timeout, no responders, the log `unavailable`) is retried
 with backoff for as long as it takes; one that can never succeed (the log answered a
 coded refusal: `invalid_request`, `invalid_payload`, `malformed_json`…) is moved to
-`dead_letters`, logged as `outbox_dead_letter` and counted (`DEAD_LETTERS`), so it
+`dead_letters`, logged as `outbox_dead_letter` and counted (the Prometheus counter
+`agentbus_dead_letters_total{consumer="outbox"}`, `DEAD_LETTERS`), so it
 neither blocks its key for ever nor disappears. An `internal` answer is a bug of the
 log that a retry may or may not cure: retried `MAX_INTERNAL_ATTEMPTS` times, then
 dead-lettered like a refusal, so one poison row cannot stall its session for good.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,6 +46,7 @@ from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
 from servicekit.faults import crash_point
 from servicekit.logs import get_logger
+from servicekit.metrics import DEAD_LETTERS
 from servicekit.telemetry import inject_headers
 
 log = get_logger(__name__)
@@ -57,8 +58,8 @@ MAX_BACKOFF_SECONDS = 60.0
 TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value})
 # How often a row the log answers `internal` is tried before it is dead-lettered.
 MAX_INTERNAL_ATTEMPTS = 8
-# Rows dead-lettered by this process, by subject (read by tests and, later, metrics).
-DEAD_LETTERS: Counter[str] = Counter()
+# The consumer label of the outbox's dead letters (servicekit.metrics.DEAD_LETTERS).
+OUTBOX_CONSUMER = "outbox"
 
 
 def _queue_statement(first: int, returning: str = "") -> str:
@@ -420,7 +421,7 @@ class OutboxRelay:
             row.body,
         )
         self.dead_lettered += 1
-        DEAD_LETTERS[row.subject] += 1
+        DEAD_LETTERS.labels(OUTBOX_CONSUMER, row.subject).inc()
         log.error(
             "outbox_dead_letter",
             subject=row.subject,

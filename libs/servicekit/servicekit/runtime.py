@@ -21,6 +21,13 @@ from servicekit.bus import check_streams, connect_service
 from servicekit.cancellation import stop
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.logs import configure_logging, get_logger
+from servicekit.metrics import (
+    OUTBOX_OLDEST_SECONDS,
+    OUTBOX_ROWS,
+    Health,
+    MetricsServer,
+    running,
+)
 from servicekit.outbox import OutboxRelay, Sender
 from servicekit.settings import ServiceSettings
 from servicekit.telemetry import configure_tracing
@@ -65,6 +72,8 @@ class Runtime:
     pool: asyncpg.Pool
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    health: Health = field(default_factory=Health)
+    metrics: MetricsServer | None = None
 
     def background(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run `coro` for the life of the service; its crash stops the service (and the
@@ -106,13 +115,46 @@ async def open_runtime(
     )
     await migrate(pool, schema, [KIT_MIGRATIONS, *migrations])
     runtime = Runtime(name, schema, settings, nc, js, pool)
+    await _serve_metrics(runtime)
     try:
         yield runtime
     finally:
+        if runtime.metrics is not None:
+            await runtime.metrics.stop()
         await asyncio.gather(*(stop(task) for task in runtime.tasks))
         with contextlib.suppress(Exception):
             await nc.drain()
         await pool.close()
+
+
+async def _serve_metrics(rt: Runtime) -> None:
+    """Start `/metrics`, `/livez`, `/readyz` (servicekit.metrics) with this runtime's
+    checks: NATS connected, Postgres answering, every background task running."""
+
+    async def postgres() -> bool:
+        answer: int = await rt.pool.fetchval("SELECT 1")
+        return answer == 1
+
+    async def nats_connected() -> bool:
+        return bool(rt.nc.is_connected)
+
+    async def tasks() -> bool:
+        return running(rt.tasks)
+
+    async def outbox() -> None:
+        row = await rt.pool.fetchrow(
+            "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 "
+            "FROM outbox"
+        )
+        assert row is not None
+        OUTBOX_ROWS.labels(rt.schema).set(row[0])
+        OUTBOX_OLDEST_SECONDS.labels(rt.schema).set(row[1])
+
+    rt.health.checks.update(nats=nats_connected, postgres=postgres, tasks=tasks)
+    rt.health.samplers.append(outbox)
+    rt.metrics = MetricsServer(rt.health, rt.settings.metrics_host, rt.settings.metrics_port)
+    await rt.metrics.start()
+    log.info("metrics_serving", service=rt.name, url=rt.metrics.url)
 
 
 def run_service(name: str, main: Awaitable[None] | Coroutine[Any, Any, None]) -> None:

@@ -49,6 +49,7 @@ from pydantic import BaseModel
 from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent, claim_once
 from servicekit.db import Connection
 from servicekit.endpoint import Endpoints
+from servicekit.metrics import CONSUMER_PENDING
 from servicekit.outbox import Outbox
 from servicekit.runtime import Runtime, open_runtime, wait_until_stopped
 from servicekit.settings import ServiceSettings
@@ -202,8 +203,12 @@ class Service:
             await self._start(rt, sub, given)
         # Announced last: a replica `$SRV.PING` finds is consuming already.
         service = await endpoints.start(
-            rt.nc, rt.settings.endpoint_concurrency, rt.settings.instance_id
+            rt.nc,
+            rt.settings.endpoint_concurrency,
+            rt.settings.instance_id,
+            metrics_url=rt.metrics.url if rt.metrics is not None else "",
         )
+        rt.health.serving.set()
         try:
             await wait_until_stopped(rt)
         finally:
@@ -216,6 +221,12 @@ class Service:
         await rt.js.add_consumer(spec.stream, spec.config())
         handler = self._consume(rt, sub, spec, deps)
         key = session_of_subject if sub.per_session else None
+
+        async def lag() -> None:
+            info = await rt.js.consumer_info(spec.stream, spec.durable)
+            CONSUMER_PENDING.labels(spec.durable).set(info.num_pending or 0)
+
+        rt.health.samplers.append(lag)
         for worker in range(spec.workers):
             consumer = DurableConsumer(rt.nc, rt.js, rt.pool, spec, handler, key)
             suffix = f"-{worker}" if spec.workers > 1 else ""

@@ -40,3 +40,7 @@ class ServiceSettings(BaseSettings):
     endpoint_concurrency: int = 256
     outbox_batch: int = 256
     outbox_poll_seconds: float = 1.0
+    # The /metrics, /livez, /readyz HTTP port (servicekit.metrics); 0 takes a free one.
+    # 127.0.0.1 by default; a pod sets 0.0.0.0 so that Prometheus and the probes reach it.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"

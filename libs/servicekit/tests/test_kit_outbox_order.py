@@ -20,7 +20,7 @@ from contracts import subjects
 from contracts.common import ErrorCode
 from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES, AppendedReply, AppendEvent
 from domain.errors import DomainError
-from servicekit import outbox
+from servicekit import metrics, outbox
 from servicekit.consumer import claim_once
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.endpoint import error_reply
@@ -36,6 +36,10 @@ from servicekit.outbox import (
 from servicekit.testing import stream_messages
 
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]
+
+
+def dead_letters(subject: str) -> float:
+    return metrics.value("agentbus_dead_letters_total", consumer="outbox", subject=subject)
 
 
 async def enqueue_committed(pool: asyncpg.Pool, *rows: tuple[str, str, str | None]) -> None:
@@ -229,13 +233,13 @@ async def test_a_permanent_refusal_is_counted(
 ) -> None:
     fake_log.refuse["e-1"] = "invalid_request"
     await enqueue_appends(pool, (uuid.uuid4(), "e-1"))
-    before = outbox.DEAD_LETTERS[subjects.EVENTS_APPEND]
+    before = dead_letters(subjects.EVENTS_APPEND)
     relay = OutboxRelay(pool, LogAppender(nc))
 
     await relay.drain_once()
 
     assert relay.dead_lettered == 1
-    assert outbox.DEAD_LETTERS[subjects.EVENTS_APPEND] == before + 1
+    assert dead_letters(subjects.EVENTS_APPEND) == before + 1
 
 
 async def test_an_internal_error_is_retried_a_bounded_number_of_times_then_dead_lettered(

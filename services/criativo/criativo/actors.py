@@ -27,8 +27,12 @@ from criativo.handlers import SessionWork
 from domain import criativo as rules
 from domain.criativo import Admission, Conversation, Inbound
 from servicekit.logs import get_logger
+from servicekit.metrics import Gauge
 
 log = get_logger(__name__)
+
+# Summed over the replica's `Actors` (one per process, but tests run several).
+LIVE_ACTORS = Gauge("agentbus_criativo_live_actors", "Session actors alive in this replica.")
 
 
 @dataclass
@@ -138,6 +142,7 @@ class Actors:
         if actor is None:
             actor = SessionActor(event.session_id, self._work, self)
             self._live[event.session_id] = actor
+            LIVE_ACTORS.inc()
             actor.task = asyncio.create_task(actor.run(), name=f"criativo:{event.session_id}")
         return actor.post(event, deliveries)
 
@@ -145,6 +150,7 @@ class Actors:
         """Forget an actor that ended (its mailbox is empty)."""
         if self._live.get(actor.session_id) is actor:
             del self._live[actor.session_id]
+            LIVE_ACTORS.dec()
 
     async def stop(self) -> None:
         """Cancel every actor (shutting down: unacknowledged inputs are redelivered)."""
@@ -154,4 +160,5 @@ class Actors:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        LIVE_ACTORS.dec(len(self._live))
         self._live.clear()

@@ -21,7 +21,7 @@ from contracts.handoff import (
     HandoffReply,
 )
 from handoff.handlers import CONSUMER
-from servicekit import outbox, provenance
+from servicekit import metrics, provenance
 from servicekit.client import call
 from servicekit.testing import wait_for
 
@@ -56,6 +56,10 @@ async def test_a_nul_in_a_decisions_reason_is_refused_and_nothing_changes(
     assert transitions == [EventType.HANDOFF_OFFERED]
 
 
+def dead_letters(subject: str) -> float:
+    return metrics.value("agentbus_dead_letters_total", consumer="outbox", subject=subject)
+
+
 async def test_a_poison_outbox_row_is_dead_lettered_and_later_events_of_its_session_flow(
     bus: Driver,
 ) -> None:
@@ -77,7 +81,7 @@ async def test_a_poison_outbox_row_is_dead_lettered_and_later_events_of_its_sess
             "idempotency_key": f"handoff:poison-{uuid.uuid4()}",
         }
     ).encode()
-    before = outbox.DEAD_LETTERS[subjects.EVENTS_APPEND]
+    before = dead_letters(subjects.EVENTS_APPEND)
     await bus.db.execute(
         "INSERT INTO handoff.outbox (subject, msg_id, body, ordering_key) VALUES ($1, $2, $3, $4)",
         subjects.EVENTS_APPEND,
@@ -103,7 +107,7 @@ async def test_a_poison_outbox_row_is_dead_lettered_and_later_events_of_its_sess
     assert (dead["consumer"], dead["subject"]) == ("outbox", subjects.EVENTS_APPEND)
     assert dead["reason"].startswith(ErrorCode.INVALID_REQUEST)
     assert dead["body"] == poison
-    assert outbox.DEAD_LETTERS[subjects.EVENTS_APPEND] >= before + 1
+    assert dead_letters(subjects.EVENTS_APPEND) >= before + 1
 
 
 def forged_closing(project: str, session_id: uuid.UUID, **fields: object) -> Event:

@@ -49,6 +49,7 @@ from metering.providers.base import (
 from metering.repository import EndedTurn, MeteringRepository, UsageRecord
 from servicekit.endpoint import UNAVAILABLE_ERRORS
 from servicekit.logs import get_logger
+from servicekit.metrics import SECONDS, Counter, Histogram
 
 log = get_logger(__name__)
 
@@ -56,6 +57,45 @@ log = get_logger(__name__)
 RECORD_ATTEMPTS = 9
 # The stop reason of a stream stopped by `cmd.llm.cancel` (contracts.metering.TurnReply).
 CANCELLED = "cancelled"
+
+# Per model and agent: what every provider call cost (the same numbers as its
+# `token_usage` row), served on the service's /metrics (servicekit.metrics).
+LLM_CALLS = Counter(
+    "agentbus_llm_calls_total", "Provider calls, by how they ended.", ["model", "agent", "status"]
+)
+LLM_TOKENS = Counter(
+    "agentbus_llm_tokens_total",
+    "Tokens billed, by kind (input, output, cache_read, cache_write).",
+    ["model", "agent", "kind"],
+)
+LLM_COST = Counter("agentbus_llm_cost_micro_usd_total", "Cost billed, in µUSD.", ["model", "agent"])
+LLM_FIRST_TOKEN = Histogram(
+    "agentbus_llm_time_to_first_token_seconds",
+    "From the command's arrival to the provider's first text.",
+    ["model", "agent"],
+    buckets=SECONDS,
+)
+LLM_ERRORS = Counter(
+    "agentbus_llm_errors_total", "Provider calls that failed, by code.", ["model", "agent", "code"]
+)
+
+
+def observe(record: UsageRecord, started: float, first_token_at: float | None) -> None:
+    """Count one provider call in the LLM series."""
+    model, agent, usage = record.model, record.agent_slug, record.usage
+    LLM_CALLS.labels(model, agent, record.status).inc()
+    for kind, tokens in (
+        ("input", usage.input_tokens),
+        ("output", usage.output_tokens),
+        ("cache_read", usage.cache_read_tokens),
+        ("cache_write", usage.cache_write_5m_tokens + usage.cache_write_1h_tokens),
+    ):
+        LLM_TOKENS.labels(model, agent, kind).inc(tokens)
+    LLM_COST.labels(model, agent).inc(record.cost_micros)
+    if first_token_at is not None:
+        LLM_FIRST_TOKEN.labels(model, agent).observe(max(first_token_at - started, 0.0))
+    if record.error_code is not None:
+        LLM_ERRORS.labels(model, agent, record.error_code).inc()
 
 
 def prompt_bytes(cmd: LlmTurn) -> int:
@@ -238,6 +278,7 @@ class TurnRunner:
             finished_at=datetime.fromtimestamp(self._clock(), UTC),
             reply=answer,
         )
+        observe(record, started, progress.first_token_at)
         # Shielded: a cancellation must not stop the bill from being written.
         remaining = await asyncio.shield(self._record(record, cmd.run_id))
         if outcome.shutdown:

@@ -1,0 +1,274 @@
+"""Metrics and health of a kit service (servicekit.metrics), against a real NATS and a
+real Postgres: `/metrics`, `/livez`, `/readyz` (false while Postgres or NATS is
+unreachable, the process alive all along), and `$SRV.STATS` counting error replies and
+the handlers' own time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import httpx
+import pytest_asyncio
+from nats.aio.client import Client
+from pydantic import BaseModel
+
+from contracts.common import ErrorCode
+from domain.errors import DomainError
+from servicekit.cancellation import stop
+from servicekit.metrics import value
+from servicekit.runtime import Runtime
+from servicekit.service import Service
+from servicekit.settings import ServiceSettings
+from servicekit.testing import wait_for
+
+
+class Divide(BaseModel):
+    a: int
+    b: int
+
+
+class Quotient(BaseModel):
+    q: int
+
+
+class TcpProxy:
+    """A loopback TCP relay to a server (Postgres or NATS, by its URL), which the test
+    can cut (and restore on the same port)."""
+
+    def __init__(self, url: str) -> None:
+        self._target = urlsplit(url)
+        self._server: asyncio.Server | None = None
+        self._links: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._link, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        """Refuse new connections and drop the open ones: the server is unreachable."""
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._links):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """To the server's TCP port, or its Unix socket (`?host=/dir`, as pgserver's)."""
+        target, port = self._target, self._target.port or 5432
+        socket_dir = dict(parse_qsl(target.query)).get("host")
+        if target.hostname is None and socket_dir:
+            return await asyncio.open_unix_connection(f"{socket_dir}/.s.PGSQL.{port}")
+        return await asyncio.open_connection(target.hostname or "127.0.0.1", port)
+
+    async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await self._connect()
+        self._links.update((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        finally:
+            self._links.difference_update((writer, up_writer))
+
+
+def through(url: str, proxy: TcpProxy) -> str:
+    """`url`, reaching its server through `proxy`."""
+    parts = urlsplit(url)
+    auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "host"])
+    return urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{proxy.port}", query=query))
+
+
+def divider(name: str) -> Service:
+    svc = Service(name, "0.1.0", "divides", schema="kit_metrics")
+    handled: list[int] = []
+
+    @svc.command("cmd.kitmetrics.divide")
+    async def divide(cmd: Divide) -> Quotient:
+        started = time.perf_counter_ns()
+        if cmd.b == 0:
+            raise DomainError(ErrorCode.INVALID_REQUEST, "cannot divide by zero\nsecond line")
+        await asyncio.sleep(0.02)  # the handler's own work, which $SRV.STATS must include
+        handled.append(time.perf_counter_ns() - started)
+        return Quotient(q=cmd.a // cmd.b)
+
+    svc.handled = handled  # type: ignore[attr-defined]
+    return svc
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def proxy(database_url: str) -> AsyncIterator[TcpProxy]:
+    relay = TcpProxy(database_url)
+    await relay.start()
+    yield relay
+    with contextlib.suppress(Exception):
+        await relay.cut()
+
+
+async def test_a_service_serves_metrics_liveness_and_readiness_that_follows_postgres(
+    nats_url: str, database_url: str, proxy: TcpProxy, nc: Client
+) -> None:
+    name = f"kitmetrics{uuid.uuid4().hex[:6]}"
+    svc = divider(name)
+    settings = ServiceSettings(NATS_URL=nats_url, DATABASE_URL=through(database_url, proxy))
+    runtimes: list[Runtime] = []
+
+    async def run() -> None:
+        async with svc.open(settings) as rt:
+            runtimes.append(rt)
+            await svc.serve(rt)
+
+    task = asyncio.create_task(run())
+    http = httpx.AsyncClient(timeout=5)
+    try:
+        await wait_for(lambda: runtimes or (task.done() and task.result()), what="the runtime")
+        [rt] = runtimes
+        assert rt.metrics is not None
+        base = rt.metrics.url
+
+        async def ready() -> bool:
+            return (await http.get(f"{base}/readyz")).status_code == 200
+
+        await wait_for(ready, what="readiness")
+        assert (await http.get(f"{base}/livez")).text == "ok\n"
+        # the URL is announced where `agentbus up` reads it
+        info = json.loads((await nc.request(f"$SRV.INFO.{name}", b"", timeout=2)).data)
+        assert info["metadata"]["metrics"] == base
+
+        ok = await nc.request("cmd.kitmetrics.divide", b'{"a": 7, "b": 2}', timeout=5)
+        assert json.loads(ok.data) == {"q": 3}
+        errors_before = value(
+            "agentbus_command_errors_total", subject="cmd.kitmetrics.divide", code="invalid_request"
+        )
+        refused = await nc.request("cmd.kitmetrics.divide", b'{"a": 7, "b": 0}', timeout=5)
+        # the error body every caller reads, and micro's error headers beside it
+        assert json.loads(refused.data)["error"]["code"] == "invalid_request"
+        assert refused.headers is not None
+        assert refused.headers["Nats-Service-Error-Code"] == "invalid_request"
+        assert refused.headers["Nats-Service-Error"] == "cannot divide by zero"
+
+        scraped = (await http.get(f"{base}/metrics")).text
+        assert (
+            'agentbus_command_errors_total{code="invalid_request",subject="cmd.kitmetrics.divide"}'
+            in scraped
+        )
+        assert (
+            value(
+                "agentbus_command_errors_total",
+                subject="cmd.kitmetrics.divide",
+                code="invalid_request",
+            )
+            == errors_before + 1
+        )
+        assert 'agentbus_outbox_rows{schema="kit_metrics"} 0.0' in scraped
+        assert 'agentbus_outbox_oldest_row_age_seconds{schema="kit_metrics"} 0.0' in scraped
+
+        # Postgres unreachable: not ready (but alive); reachable again: ready again
+        await proxy.cut()
+        assert (await http.get(f"{base}/readyz")).status_code == 503
+        assert "postgres FAIL" in (await http.get(f"{base}/readyz")).text
+        assert (await http.get(f"{base}/livez")).status_code == 200
+        assert (await http.get(f"{base}/metrics")).status_code == 200  # sampling is bounded
+        await proxy.start()
+        await wait_for(ready, timeout=20, what="readiness once Postgres is back")
+    finally:
+        await http.aclose()
+        await stop(task)
+
+
+async def test_srv_stats_count_error_replies_and_the_handlers_time(
+    nats_url: str, database_url: str, nc: Client
+) -> None:
+    name = f"kitstats{uuid.uuid4().hex[:6]}"
+    svc = divider(name)
+    settings = ServiceSettings(NATS_URL=nats_url, DATABASE_URL=database_url)
+
+    async def run() -> None:
+        async with svc.open(settings) as rt:
+            await svc.serve(rt)
+
+    task = asyncio.create_task(run())
+    try:
+
+        async def answers() -> bool:
+            try:
+                await nc.request(f"$SRV.PING.{name}", b"", timeout=0.5)
+            except Exception:
+                return False
+            return True
+
+        await wait_for(answers, what=f"{name} answering")
+        await nc.request("cmd.kitmetrics.divide", b'{"a": 9, "b": 3}', timeout=5)
+        await nc.request("cmd.kitmetrics.divide", b'{"a": 9, "b": 0}', timeout=5)
+        await nc.request("cmd.kitmetrics.divide", b"{oops", timeout=5)
+
+        async def two_errors() -> dict[str, Any] | None:
+            reply = await nc.request(f"$SRV.STATS.{name}", b"", timeout=2)
+            [endpoint] = json.loads(reply.data)["endpoints"]
+            return endpoint if endpoint["num_errors"] == 2 else None
+
+        endpoint = await wait_for(two_errors, what="$SRV.STATS counting the two errors")
+        assert endpoint["num_requests"] == 3
+        assert str(endpoint["last_error"]).startswith("malformed_json")
+        # the handler's own time, not only the hand-off to its task
+        [worked] = svc.handled  # type: ignore[attr-defined]
+        assert endpoint["processing_time"] >= worked
+    finally:
+        await stop(task)
+
+
+async def test_readiness_follows_the_nats_connection(
+    nats_url: str, database_url: str, nc: Client
+) -> None:
+    relay = TcpProxy(nats_url)
+    await relay.start()
+    svc = divider(f"kitnats{uuid.uuid4().hex[:6]}")
+    settings = ServiceSettings(NATS_URL=through(nats_url, relay), DATABASE_URL=database_url)
+    runtimes: list[Runtime] = []
+
+    async def run() -> None:
+        async with svc.open(settings) as rt:
+            runtimes.append(rt)
+            await svc.serve(rt)
+
+    task = asyncio.create_task(run())
+    http = httpx.AsyncClient(timeout=5)
+    try:
+        await wait_for(lambda: runtimes or (task.done() and task.result()), what="the runtime")
+        assert runtimes[0].metrics is not None
+        base = runtimes[0].metrics.url
+
+        async def readiness() -> httpx.Response:
+            return await http.get(f"{base}/readyz")
+
+        await wait_for(lambda: _status(readiness(), 200), what="readiness")
+        await relay.cut()
+        unready = await wait_for(lambda: _status(readiness(), 503), what="unready without NATS")
+        assert "nats FAIL" in unready.text and "postgres ok" in unready.text
+        assert (await http.get(f"{base}/livez")).status_code == 200  # alive all along
+        await relay.start()
+        await wait_for(lambda: _status(readiness(), 200), timeout=20, what="ready again")
+    finally:
+        await http.aclose()
+        await stop(task)
+        with contextlib.suppress(Exception):
+            await relay.cut()
+
+
+async def _status(response: Any, status: int) -> httpx.Response | None:
+    answered: httpx.Response = await response
+    return answered if answered.status_code == status else None

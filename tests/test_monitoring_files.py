@@ -1,0 +1,97 @@
+"""deploy/monitoring, offline: the Prometheus alert rules and the Grafana dashboard parse,
+have the shape their tools load, every PromQL expression is valid (promql-parser), and
+every series they name is one the services export (servicekit.metrics, metering's LLM
+series, Criativo's actors) — so a renamed metric cannot leave a silent alert behind."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+import yaml
+from prometheus_client import REGISTRY
+
+import criativo.actors
+import metering.turns
+import servicekit.metrics
+
+MONITORING = Path(__file__).resolve().parent.parent / "deploy" / "monitoring"
+SERIES = re.compile(r"\bagentbus_[a-z0-9_]+")
+SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "gauge": ("",),
+}
+# What the issue asks the alerts to catch.
+REQUIRED_ALERTS = {
+    "AgentbusOutboxStale",
+    "AgentbusDeadLetter",
+    "AgentbusConsumerLagGrowing",
+    "AgentbusProviderErrorRate",
+    "AgentbusBudgetExhaustion",
+}
+
+
+def exported() -> set[str]:
+    """Every series name the services' code registers (labelled or not)."""
+    assert servicekit.metrics and metering.turns and criativo.actors  # imported to register
+    names: set[str] = set()
+    for family in REGISTRY.collect():
+        if family.name.startswith("agentbus_"):
+            names.update(family.name + s for s in SUFFIXES.get(family.type, ("",)))
+    return names
+
+
+def check_expression(expr: str, known: set[str]) -> None:
+    promql_parser.parse(expr)  # raises ValueError on a syntax error
+    named = set(SERIES.findall(expr))
+    assert named, f"names no agentbus series: {expr}"
+    assert named <= known, f"unknown series {sorted(named - known)} in: {expr}"
+
+
+def test_the_alert_rules_load_and_name_exported_series() -> None:
+    rules = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
+    known = exported()
+    alerts: list[dict[str, Any]] = [r for g in rules["groups"] for r in g["rules"]]
+    assert all(isinstance(g["name"], str) for g in rules["groups"])
+    assert {a["alert"] for a in alerts} >= REQUIRED_ALERTS
+    for alert in alerts:
+        assert set(alert) <= {"alert", "expr", "for", "labels", "annotations", "keep_firing_for"}
+        assert alert["labels"]["severity"] in {"warning", "critical"}
+        assert alert["annotations"]["summary"] and alert["annotations"]["description"]
+        if "for" in alert:
+            promql_parser.parse_duration(alert["for"])
+        check_expression(alert["expr"], known)
+
+
+def test_the_dashboard_loads_and_names_exported_series() -> None:
+    dashboard = json.loads((MONITORING / "agentbus-dashboard.json").read_text())
+    known = exported()
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    graphs = [p for p in panels if p["type"] != "row"]
+    assert graphs
+    for panel in graphs:
+        assert {"h", "w", "x", "y"} <= set(panel["gridPos"])
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            check_expression(target["expr"], known)
+    covered = {name for p in graphs for t in p["targets"] for name in SERIES.findall(t["expr"])}
+    # every exported family appears on some panel
+    families = {re.sub(r"_(total|bucket|count|sum)$", "", n) for n in known}
+    shown = {re.sub(r"_(total|bucket|count|sum)$", "", n) for n in covered}
+    assert families <= shown, f"not on the dashboard: {sorted(families - shown)}"
+
+
+def test_an_unknown_series_or_bad_promql_is_caught() -> None:
+    known = exported()
+    for broken in ("rate(agentbus_no_such_total[5m])", "sum(rate(agentbus_llm_calls_total[5m])"):
+        try:
+            check_expression(broken, known)
+        except (AssertionError, ValueError):
+            continue
+        raise AssertionError(f"accepted: {broken}")
