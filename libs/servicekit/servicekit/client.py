@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from nats.aio.client import Client
 from pydantic import BaseModel, ValidationError
@@ -54,3 +54,12 @@ async def call(
         subject, request.model_dump_json().encode(), timeout=timeout, headers=inject_headers()
     )
     return parse_reply(msg.data, reply_model)
+
+
+class Caller(Protocol):
+    """How a client sends a command: `call` on a connection, or a caller's own door that
+    adds its policy (the gateway's turns every failure into a `DomainError`)."""
+
+    async def __call__(
+        self, subject: str, request: BaseModel, reply_model: type[Rep], timeout: float
+    ) -> Rep: ...

@@ -58,15 +58,23 @@ class Runtime:
     """What a running service holds: its settings, bus, store and background tasks."""
 
     name: str
-    schema: str
+    schema: str | None
     settings: ServiceSettings
     nc: Client
     js: JetStreamContext
-    pool: asyncpg.Pool
+    # None for a service that keeps nothing durable (the gateway): it has no schema.
+    db: asyncpg.Pool | None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def background(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    @property
+    def pool(self) -> asyncpg.Pool:
+        """The service's Postgres pool, on its own schema."""
+        if self.db is None:
+            raise RuntimeError(f"{self.name} keeps nothing durable: it has no database pool")
+        return self.db
+
+    def background(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run `coro` for the life of the service; its crash stops the service (and the
         supervisor restarts it) rather than leaving a half-working process."""
         task = asyncio.create_task(coro, name=name)
@@ -78,6 +86,7 @@ class Runtime:
 
         task.add_done_callback(crashed)
         self.tasks.append(task)
+        return task
 
     def relay(self, sender: Sender, name: str = "outbox-relay") -> None:
         """Drain this schema's outbox through `sender` for the life of the service."""
@@ -89,10 +98,10 @@ class Runtime:
 
 @asynccontextmanager
 async def open_runtime(
-    name: str, schema: str, migrations: list[str], settings: ServiceSettings | None = None
+    name: str, schema: str | None, migrations: list[str], settings: ServiceSettings | None = None
 ) -> AsyncIterator[Runtime]:
     """Connect to NATS (as `name`'s user) and Postgres, check the streams and apply
-    migrations; undo on exit."""
+    migrations; undo on exit. With no `schema`, the service gets no Postgres at all."""
     settings = settings or ServiceSettings()
     nc = await connect_service(settings, name)
     js = nc.jetstream()
@@ -101,10 +110,12 @@ async def open_runtime(
     except BaseException:
         await nc.close()
         raise
-    pool = await create_pool(
-        settings.database_url, schema, settings.db_pool_min, settings.db_pool_max
-    )
-    await migrate(pool, schema, [KIT_MIGRATIONS, *migrations])
+    pool = None
+    if schema is not None:
+        pool = await create_pool(
+            settings.database_url, schema, settings.db_pool_min, settings.db_pool_max
+        )
+        await migrate(pool, schema, [KIT_MIGRATIONS, *migrations])
     runtime = Runtime(name, schema, settings, nc, js, pool)
     try:
         yield runtime
@@ -112,7 +123,8 @@ async def open_runtime(
         await asyncio.gather(*(stop(task) for task in runtime.tasks))
         with contextlib.suppress(Exception):
             await nc.drain()
-        await pool.close()
+        if pool is not None:
+            await pool.close()
 
 
 def run_service(name: str, main: Awaitable[None] | Coroutine[Any, Any, None]) -> None:

@@ -15,7 +15,7 @@ commands. What they share lives here once:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from uuid import UUID
 
 from nats.aio.client import Client
@@ -31,17 +31,20 @@ from contracts.session_events import (
     CloseSession,
     EventsReply,
     GetEvents,
+    HeartbeatReply,
     ListEvents,
+    ListSessions,
     OpenSession,
     QueryEvents,
     SessionClosedReply,
     SessionOpenedReply,
     SessionRef,
+    SessionsReply,
     SessionView,
     TerminateSession,
 )
 from domain.errors import DomainError
-from servicekit.client import CommandFailed, Rep, call
+from servicekit.client import Caller, CommandFailed, Rep, call
 
 # A page of `EVENTS_PAGE_MAX` events is a much larger reply than a command's usual one.
 READ_TIMEOUT_SECONDS = 30.0
@@ -71,20 +74,37 @@ def typed_refusal(failure: CommandFailed) -> DomainError | None:
 
 
 class SessionLogClient:
-    """The commands of `session_events`, as the other services use them."""
+    """The commands of `session_events`, as the other services use them.
 
-    def __init__(self, nc: Client) -> None:
+    `timeout` is a command's (a read of a page waits longer); `caller` sends a command,
+    `call` on `nc` unless the service has its own door to the bus (the gateway's).
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        timeout: float = COMMAND_TIMEOUT_SECONDS,
+        caller: Caller | None = None,
+    ) -> None:
         self._nc = nc
+        self._timeout = timeout
+        self._send: Caller = caller or self._request
+
+    async def _request(
+        self, subject: str, request: BaseModel, reply_model: type[Rep], timeout: float
+    ) -> Rep:
+        return await call(self._nc, subject, request, reply_model, timeout=timeout)
 
     async def _call(
         self,
         subject: str,
         request: BaseModel,
         reply_model: type[Rep],
-        timeout: float = COMMAND_TIMEOUT_SECONDS,
+        timeout: float | None = None,
     ) -> Rep:
         try:
-            return await call(self._nc, subject, request, reply_model, timeout=timeout)
+            return await self._send(subject, request, reply_model, timeout or self._timeout)
         except CommandFailed as failure:
             typed = typed_refusal(failure)
             if typed is None:
@@ -97,6 +117,19 @@ class SessionLogClient:
             subjects.SESSIONS_OPEN,
             OpenSession(project_id=project_id, opened_by=opened_by),
             SessionOpenedReply,
+        )
+
+    async def sessions(self, project_id: str) -> list[SessionView]:
+        """The project's sessions, newest first (as many as the log lists by default)."""
+        reply = await self._call(
+            subjects.SESSIONS_LIST, ListSessions(project_id=project_id), SessionsReply
+        )
+        return reply.sessions
+
+    async def heartbeat(self, session_id: UUID) -> HeartbeatReply:
+        """Keep an open session alive; `SessionClosed` once it has ended."""
+        return await self._call(
+            subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=session_id), HeartbeatReply
         )
 
     async def session(self, session_id: UUID) -> SessionView:
@@ -148,20 +181,32 @@ class SessionLogClient:
             AppendedReply,
         )
 
+    async def page(
+        self, session_id: UUID, after_seq: int = 0, limit: int = EVENTS_PAGE_MAX
+    ) -> list[Event]:
+        """At most `limit` events of the session after `after_seq`, in `seq` order."""
+        reply = await self._call(
+            subjects.EVENTS_LIST,
+            ListEvents(session_id=session_id, after_seq=after_seq, limit=limit),
+            EventsReply,
+            timeout=max(READ_TIMEOUT_SECONDS, self._timeout),
+        )
+        return reply.events
+
+    async def pages(self, session_id: UUID, after_seq: int = 0) -> AsyncIterator[list[Event]]:
+        """The session's events after `after_seq`, a page at a time, until the last page
+        (a reader that sends as it reads stops when it has what it needs)."""
+        while True:
+            page = await self.page(session_id, after_seq)
+            if page:
+                yield page
+            if len(page) < EVENTS_PAGE_MAX:
+                return
+            after_seq = page[-1].seq
+
     async def events(self, session_id: UUID, after_seq: int = 0) -> list[Event]:
         """Every event of the session after `after_seq`, in `seq` order, page by page."""
-        events: list[Event] = []
-        while True:
-            reply = await self._call(
-                subjects.EVENTS_LIST,
-                ListEvents(session_id=session_id, after_seq=after_seq, limit=EVENTS_PAGE_MAX),
-                EventsReply,
-                timeout=READ_TIMEOUT_SECONDS,
-            )
-            events.extend(reply.events)
-            if len(reply.events) < EVENTS_PAGE_MAX:
-                return events
-            after_seq = reply.events[-1].seq
+        return [event async for page in self.pages(session_id, after_seq) for event in page]
 
     async def get(
         self, event_ids: Sequence[UUID], *, timeout: float = READ_TIMEOUT_SECONDS
