@@ -37,16 +37,7 @@ from contracts.psychologist import (
     ListHypotheses,
     Reanalyze,
 )
-from contracts.session_events import (
-    EventsReply,
-    ListEvents,
-    ListSessions,
-    OpenSession,
-    SessionOpenedReply,
-)
-from contracts.session_events import (
-    SessionsReply as LogSessionsReply,
-)
+from contracts.session_events import EventsReply, ListEvents
 from domain.errors import DomainError
 from gateway.access import own_session
 from gateway.auth import Principal, require_project, verify
@@ -171,7 +162,7 @@ def _parse(model: type[M], data: dict[str, Any]) -> M:
 
 def routes(hub: Hub) -> list[Route]:
     """The API's routes, each a few lines over one command."""
-    c = hub.commands
+    c, session_log = hub.commands, hub.session_log
 
     async def whoami(_: Request, p: Principal) -> BaseModel:
         return ClientConfig(
@@ -179,27 +170,21 @@ def routes(hub: Hub) -> list[Route]:
         )
 
     async def list_sessions(_: Request, p: Principal) -> BaseModel:
-        reply = await c(
-            subjects.SESSIONS_LIST, ListSessions(project_id=p.project_id), LogSessionsReply
-        )
-        return sessions_of(reply.sessions)
+        return sessions_of(await session_log.sessions(p.project_id))
 
     async def open_session(_: Request, p: Principal) -> BaseModel:
-        return await c(
-            subjects.SESSIONS_OPEN,
-            OpenSession(project_id=p.project_id, opened_by=p.actor),
-            SessionOpenedReply,
-        )
+        return await session_log.open(p.project_id, p.actor)
 
     async def get_session(r: Request, p: Principal) -> BaseModel:
-        return await own_session(c, p, _uuid(r, "session"))
+        return await own_session(session_log, p, _uuid(r, "session"))
 
     async def session_events(r: Request, p: Principal) -> BaseModel:
         session_id = _uuid(r, "session")
-        await own_session(c, p, session_id)
+        await own_session(session_log, p, session_id)
         params = {k: v for k, v in r.query_params.items() if k in ("after_seq", "limit")}
         query = _parse(ListEvents, {"session_id": session_id, **params})
-        return await c(subjects.EVENTS_LIST, query, EventsReply)
+        page = await session_log.page(session_id, query.after_seq, query.limit)
+        return EventsReply(events=page)
 
     async def handoffs(r: Request, p: Principal) -> BaseModel:
         session = r.query_params.get("session_id")
@@ -234,7 +219,7 @@ def routes(hub: Hub) -> list[Route]:
 
     async def reanalyze(r: Request, p: Principal) -> BaseModel:
         session_id = _uuid(r, "session")
-        await own_session(c, p, session_id)
+        await own_session(session_log, p, session_id)
         request = Reanalyze(project_id=p.project_id, session_id=session_id)
         return await c(subjects.PSYCHOLOGIST_REANALYZE, request, AnalysisOutcome, timeout=120)
 
@@ -253,7 +238,7 @@ def routes(hub: Hub) -> list[Route]:
             scoped["project_id"] = p.project_id
         request = _parse(SetBinding, scoped)
         if request.session_id is not None:
-            await own_session(c, p, request.session_id)
+            await own_session(session_log, p, request.session_id)
         return await c(subjects.BINDINGS_SET, request, BindingSetReply)
 
     async def usage(r: Request, p: Principal) -> BaseModel:
