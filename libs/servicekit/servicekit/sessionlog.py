@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Sequence
 from uuid import UUID
 
 from nats.aio.client import Client
-from pydantic import BaseModel
 
-from contracts import subjects
+from contracts import catalog
+from contracts.catalog import Command
 from contracts.common import ErrorCode, Message
 from contracts.events import Event, EventType
 from contracts.session_events import (
@@ -29,7 +29,6 @@ from contracts.session_events import (
     AppendedReply,
     AppendEvent,
     CloseSession,
-    EventsReply,
     GetEvents,
     HeartbeatReply,
     ListEvents,
@@ -39,12 +38,11 @@ from contracts.session_events import (
     SessionClosedReply,
     SessionOpenedReply,
     SessionRef,
-    SessionsReply,
     SessionView,
     TerminateSession,
 )
 from domain.errors import DomainError
-from servicekit.client import Caller, CommandFailed, Rep, call
+from servicekit.client import Caller, CommandFailed, CRep, CReq, call
 
 # A page of `EVENTS_PAGE_MAX` events is a much larger reply than a command's usual one.
 READ_TIMEOUT_SECONDS = 30.0
@@ -91,20 +89,14 @@ class SessionLogClient:
         self._timeout = timeout
         self._send: Caller = caller or self._request
 
-    async def _request(
-        self, subject: str, request: BaseModel, reply_model: type[Rep], timeout: float
-    ) -> Rep:
-        return await call(self._nc, subject, request, reply_model, timeout=timeout)
+    async def _request(self, command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        return await call(self._nc, command, request, timeout=timeout)
 
     async def _call(
-        self,
-        subject: str,
-        request: BaseModel,
-        reply_model: type[Rep],
-        timeout: float | None = None,
-    ) -> Rep:
+        self, command: Command[CReq, CRep], request: CReq, timeout: float | None = None
+    ) -> CRep:
         try:
-            return await self._send(subject, request, reply_model, timeout or self._timeout)
+            return await self._send(command, request, timeout or self._timeout)
         except CommandFailed as failure:
             typed = typed_refusal(failure)
             if typed is None:
@@ -114,47 +106,38 @@ class SessionLogClient:
     async def open(self, project_id: str, opened_by: str) -> SessionOpenedReply:
         """Open a session in a project."""
         return await self._call(
-            subjects.SESSIONS_OPEN,
+            catalog.SESSIONS_OPEN,
             OpenSession(project_id=project_id, opened_by=opened_by),
-            SessionOpenedReply,
         )
 
     async def sessions(self, project_id: str) -> list[SessionView]:
         """The project's sessions, newest first (as many as the log lists by default)."""
-        reply = await self._call(
-            subjects.SESSIONS_LIST, ListSessions(project_id=project_id), SessionsReply
-        )
+        reply = await self._call(catalog.SESSIONS_LIST, ListSessions(project_id=project_id))
         return reply.sessions
 
     async def heartbeat(self, session_id: UUID) -> HeartbeatReply:
         """Keep an open session alive; `SessionClosed` once it has ended."""
-        return await self._call(
-            subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=session_id), HeartbeatReply
-        )
+        return await self._call(catalog.SESSIONS_HEARTBEAT, SessionRef(session_id=session_id))
 
     async def session(self, session_id: UUID) -> SessionView:
         """The session's state; every refusal is raised as a `DomainError`."""
         try:
-            return await self._call(
-                subjects.SESSIONS_GET, SessionRef(session_id=session_id), SessionView
-            )
+            return await self._call(catalog.SESSIONS_GET, SessionRef(session_id=session_id))
         except CommandFailed as failure:
             raise failure.refusal() from None
 
     async def close(self, session_id: UUID, closed_by: str | None = None) -> SessionClosedReply:
         """End the session normally; `SessionClosed` when it has already ended."""
         return await self._call(
-            subjects.SESSIONS_CLOSE,
+            catalog.SESSIONS_CLOSE,
             CloseSession(session_id=session_id, closed_by=closed_by),
-            SessionClosedReply,
         )
 
     async def terminate(self, session_id: UUID, reason: str) -> SessionClosedReply:
         """End the session abnormally with `reason`; `SessionClosed` when it has already ended."""
         return await self._call(
-            subjects.SESSIONS_TERMINATE,
+            catalog.SESSIONS_TERMINATE,
             TerminateSession(session_id=session_id, reason=reason[:MAX_REASON_CHARS]),
-            SessionClosedReply,
         )
 
     async def append(
@@ -169,7 +152,7 @@ class SessionLogClient:
     ) -> AppendedReply:
         """Append one event; a repeated idempotency key returns the event first written."""
         return await self._call(
-            subjects.EVENTS_APPEND,
+            catalog.EVENTS_APPEND,
             AppendEvent(
                 session_id=session_id,
                 type=event_type.value,
@@ -178,7 +161,6 @@ class SessionLogClient:
                 causation_id=causation_id,
                 idempotency_key=idempotency_key,
             ),
-            AppendedReply,
         )
 
     async def page(
@@ -186,9 +168,8 @@ class SessionLogClient:
     ) -> list[Event]:
         """At most `limit` events of the session after `after_seq`, in `seq` order."""
         reply = await self._call(
-            subjects.EVENTS_LIST,
+            catalog.EVENTS_LIST,
             ListEvents(session_id=session_id, after_seq=after_seq, limit=limit),
-            EventsReply,
             timeout=max(READ_TIMEOUT_SECONDS, self._timeout),
         )
         return reply.events
@@ -215,9 +196,8 @@ class SessionLogClient:
         events: list[Event] = []
         for start in range(0, len(event_ids), EVENTS_PAGE_MAX):
             reply = await self._call(
-                subjects.EVENTS_GET,
+                catalog.EVENTS_GET,
                 GetEvents(event_ids=list(event_ids[start : start + EVENTS_PAGE_MAX])),
-                EventsReply,
                 timeout=timeout,
             )
             events.extend(reply.events)
@@ -226,9 +206,8 @@ class SessionLogClient:
     async def query(self, project_id: str, types: Sequence[EventType]) -> list[Event]:
         """The project's events of these types, oldest first (the log's default limit)."""
         reply = await self._call(
-            subjects.EVENTS_QUERY,
+            catalog.EVENTS_QUERY,
             QueryEvents(project_id=project_id, types=[t.value for t in types]),
-            EventsReply,
             timeout=READ_TIMEOUT_SECONDS,
         )
         return reply.events

@@ -13,14 +13,15 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from contracts import subjects
+from contracts.catalog import Command
 from contracts.common import ErrorCode
 from contracts.events import BusinessRule, ChatMessage, EventType
 from contracts.session_events import EVENTS_PAGE_MAX
 from domain.errors import DomainError
-from servicekit.client import CommandFailed, Rep, call, parse_reply
+from servicekit.client import CommandFailed, CRep, CReq, call, parse_reply
 from servicekit.endpoint import error_reply
 from servicekit.sessionlog import (
     MAX_REASON_CHARS,
@@ -140,11 +141,9 @@ async def test_a_services_own_caller_carries_every_command_with_its_timeout(
 ) -> None:
     sent: list[tuple[str, float]] = []
 
-    async def caller(
-        subject: str, request: BaseModel, reply_model: type[Rep], timeout: float
-    ) -> Rep:
-        sent.append((subject, timeout))
-        return await call(nc, subject, request, reply_model, timeout)
+    async def caller(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        sent.append((command.subject, timeout))
+        return await call(nc, command, request, timeout=timeout)
 
     own = SessionLogClient(nc, timeout=7.0, caller=caller)
     opened = await own.open(project(), PERSON)

@@ -13,17 +13,20 @@ import nats.errors
 from nats.aio.client import Client
 from pydantic import BaseModel
 
-from contracts.common import ErrorCode
+from contracts.catalog import Command
+from contracts.common import ErrorCode, Message
 from domain.errors import DomainError
 from servicekit.client import CommandFailed, call
 from servicekit.sessionlog import typed_refusal
 
 Rep = TypeVar("Rep", bound=BaseModel)
+CReq = TypeVar("CReq", bound=Message)
+CRep = TypeVar("CRep", bound=Message)
 
 
 class Commands:
     """Sends a command and turns a refusal or a silent service into a `DomainError`
-    (a servicekit `Caller`)."""
+    (`command` is the same door as a servicekit `Caller`)."""
 
     def __init__(self, nc: Client, timeout: float) -> None:
         self.nc = nc
@@ -44,3 +47,9 @@ class Commands:
             raise DomainError(
                 ErrorCode.UNAVAILABLE, f"{subject} did not answer ({type(exc).__name__}); retry"
             ) from None
+
+    async def command(
+        self, command: Command[CReq, CRep], request: CReq, timeout: float | None = None
+    ) -> CRep:
+        """The catalog's `command`, typed by its models."""
+        return await self(command.subject, request, command.reply, timeout)
