@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from contracts import subjects
+from contracts import catalog
 from contracts.events import ChatMessage, CriativoReadinessConfirmed, EventType
 from contracts.gateway import (
     AcceptHandoff,
@@ -81,7 +81,7 @@ class SessionActions:
 
     async def start_agent(self, frame: StartAgent) -> ActivationReply:
         return await self._c(
-            subjects.AGENTS_ACTIVATE,
+            catalog.AGENTS_ACTIVATE,
             ActivateAgent(
                 project_id=self._p.project_id,
                 session_id=self._s,
@@ -89,7 +89,6 @@ class SessionActions:
                 via="user",
                 actor=self._p.actor,
             ),
-            ActivationReply,
         )
 
     async def confirm_readiness(self, _: ConfirmReadiness) -> AppendedReply:
@@ -102,16 +101,14 @@ class SessionActions:
 
     async def accept_handoff(self, frame: AcceptHandoff) -> AcceptReply:
         return await self._c(
-            subjects.HANDOFFS_ACCEPT,
+            catalog.HANDOFFS_ACCEPT,
             HandoffDecision(handoff_id=frame.handoff_id, session_id=self._s, actor=self._p.actor),
-            AcceptReply,
         )
 
     async def reject_handoff(self, frame: RejectHandoff) -> HandoffReply:
         return await self._c(
-            subjects.HANDOFFS_REJECT,
+            catalog.HANDOFFS_REJECT,
             HandoffDecision(handoff_id=frame.handoff_id, session_id=self._s, actor=self._p.actor),
-            HandoffReply,
         )
 
     async def close(self, _: CloseSessionFrame) -> SessionClosedReply:
@@ -123,7 +120,6 @@ class SessionActions:
     async def stop_turn(self, frame: StopTurn) -> CancelReply:
         # Scoped to the joined session: metering never touches a turn of another one.
         return await self._c(
-            subjects.LLM_CANCEL,
+            catalog.LLM_CANCEL,
             CancelTurn(turn_id=frame.turn_id, project_id=self._p.project_id, session_id=self._s),
-            CancelReply,
         )

@@ -124,7 +124,7 @@ async def main(
     async with svc.open(settings) as rt:
         commands = Commands(rt.nc, settings.command_timeout_seconds)
         session_log = SessionLogClient(
-            rt.nc, timeout=settings.command_timeout_seconds, caller=commands.command
+            rt.nc, timeout=settings.command_timeout_seconds, caller=commands
         )
         presence = Presence(session_log.heartbeat, settings.heartbeat_interval_seconds)
         hub = Hub(settings, load_secret(settings.gateway_secret), commands, session_log, presence)

@@ -11,7 +11,6 @@ from typing import TypeVar
 
 import nats.errors
 from nats.aio.client import Client
-from pydantic import BaseModel
 
 from contracts.catalog import Command
 from contracts.common import ErrorCode, Message
@@ -19,37 +18,28 @@ from domain.errors import DomainError
 from servicekit.client import CommandFailed, call
 from servicekit.sessionlog import typed_refusal
 
-Rep = TypeVar("Rep", bound=BaseModel)
 CReq = TypeVar("CReq", bound=Message)
 CRep = TypeVar("CRep", bound=Message)
 
 
 class Commands:
     """Sends a command and turns a refusal or a silent service into a `DomainError`
-    (`command` is the same door as a servicekit `Caller`)."""
+    (a servicekit `Caller`)."""
 
     def __init__(self, nc: Client, timeout: float) -> None:
         self.nc = nc
         self._timeout = timeout
 
     async def __call__(
-        self,
-        subject: str,
-        request: BaseModel,
-        reply_model: type[Rep],
-        timeout: float | None = None,
-    ) -> Rep:
+        self, command: Command[CReq, CRep], request: CReq, timeout: float | None = None
+    ) -> CRep:
+        """Send the catalog's `command`; its reply, typed by it, or a `DomainError`."""
         try:
-            return await call(self.nc, subject, request, reply_model, timeout or self._timeout)
+            return await call(self.nc, command, request, timeout=timeout or self._timeout)
         except CommandFailed as exc:
             raise typed_refusal(exc) or exc.refusal() from None
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise DomainError(
-                ErrorCode.UNAVAILABLE, f"{subject} did not answer ({type(exc).__name__}); retry"
+                ErrorCode.UNAVAILABLE,
+                f"{command.subject} did not answer ({type(exc).__name__}); retry",
             ) from None
-
-    async def command(
-        self, command: Command[CReq, CRep], request: CReq, timeout: float | None = None
-    ) -> CRep:
-        """The catalog's `command`, typed by its models."""
-        return await self(command.subject, request, command.reply, timeout)

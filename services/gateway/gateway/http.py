@@ -17,23 +17,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from contracts import subjects
+from contracts import catalog
 from contracts.common import ErrorBody, ErrorCode, ErrorReply
 from contracts.gateway import ClientConfig
-from contracts.handoff import HandoffsReply, ListHandoffs
+from contracts.handoff import ListHandoffs
 from contracts.metering import (
-    BindingSetReply,
-    BindingsReply,
     ListBindings,
     SetBinding,
-    UsageSummaryReply,
     UsageSummaryRequest,
 )
 from contracts.psychologist import (
-    AnalysisOutcome,
-    HypothesesReply,
     HypothesisDecision,
-    HypothesisReply,
     ListHypotheses,
     Reanalyze,
 )
@@ -189,42 +183,41 @@ def routes(hub: Hub) -> list[Route]:
     async def handoffs(r: Request, p: Principal) -> BaseModel:
         session = r.query_params.get("session_id")
         request = _parse(ListHandoffs, {"project_id": p.project_id, "session_id": session})
-        return await c(subjects.HANDOFFS_LIST, request, HandoffsReply)
+        return await c(catalog.HANDOFFS_LIST, request)
 
     async def insights(r: Request, p: Principal) -> BaseModel:
         status = r.query_params.get("status")
         request = _parse(ListHypotheses, {"project_id": p.project_id, "status": status})
-        return await c(subjects.HYPOTHESES_LIST, request, HypothesesReply)
+        return await c(catalog.HYPOTHESES_LIST, request)
 
     async def decide(r: Request, p: Principal) -> BaseModel:
         hypothesis_id = _uuid(r, "hypothesis")
         if r.path_params["decision"] not in ("accept", "dismiss"):
             raise DomainError(ErrorCode.INVALID_REQUEST, "decide with accept or dismiss")
         listed = await c(
-            subjects.HYPOTHESES_LIST,
+            catalog.HYPOTHESES_LIST,
             ListHypotheses(project_id=p.project_id, include_superseded=True),
-            HypothesesReply,
         )
         if not any(h.id == hypothesis_id for g in listed.groups for h in g.hypotheses):
             raise DomainError(
                 ErrorCode.HYPOTHESIS_NOT_FOUND, f"no hypothesis {hypothesis_id} in this project"
             )
-        subject = (
-            subjects.HYPOTHESES_ACCEPT
+        command = (
+            catalog.HYPOTHESES_ACCEPT
             if r.path_params["decision"] == "accept"
-            else subjects.HYPOTHESES_DISMISS
+            else catalog.HYPOTHESES_DISMISS
         )
         decision = HypothesisDecision(hypothesis_id=hypothesis_id, actor=p.actor)
-        return await c(subject, decision, HypothesisReply)
+        return await c(command, decision)
 
     async def reanalyze(r: Request, p: Principal) -> BaseModel:
         session_id = _uuid(r, "session")
         await own_session(session_log, p, session_id)
         request = Reanalyze(project_id=p.project_id, session_id=session_id)
-        return await c(subjects.PSYCHOLOGIST_REANALYZE, request, AnalysisOutcome, timeout=120)
+        return await c(catalog.PSYCHOLOGIST_REANALYZE, request, timeout=120)
 
     async def bindings(_: Request, p: Principal) -> BaseModel:
-        return await c(subjects.BINDINGS_LIST, ListBindings(project_id=p.project_id), BindingsReply)
+        return await c(catalog.BINDINGS_LIST, ListBindings(project_id=p.project_id))
 
     async def set_binding(r: Request, p: Principal) -> BaseModel:
         body = await _body(r)
@@ -239,7 +232,7 @@ def routes(hub: Hub) -> list[Route]:
         request = _parse(SetBinding, scoped)
         if request.session_id is not None:
             await own_session(session_log, p, request.session_id)
-        return await c(subjects.BINDINGS_SET, request, BindingSetReply)
+        return await c(catalog.BINDINGS_SET, request)
 
     async def usage(r: Request, p: Principal) -> BaseModel:
         group_by = (r.query_params.get("group_by") or "session,agent,model").split(",")
@@ -248,7 +241,7 @@ def routes(hub: Hub) -> list[Route]:
             UsageSummaryRequest,
             {"group_by": group_by, "project_id": p.project_id, "session_id": session},
         )
-        return await c(subjects.USAGE_SUMMARY, request, UsageSummaryReply)
+        return await c(catalog.USAGE_SUMMARY, request)
 
     base = "/api/projects/{project}"
 
