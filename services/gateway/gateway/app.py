@@ -9,13 +9,9 @@ the web client, the HTTP API and the WebSocket with uvicorn, inside the service.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,20 +23,17 @@ from gateway.auth import load_secret
 from gateway.bus import Commands
 from gateway.http import routes
 from gateway.presence import Presence
+from gateway.server import serving_http
 from gateway.settings import GatewaySettings
 from gateway.ws import Hub, websocket_endpoint
 from servicekit.logs import get_logger
-from servicekit.runtime import Runtime, run_service
+from servicekit.runtime import run_service
 from servicekit.service import Service
 from servicekit.sessionlog import SessionLogClient
 
 SERVICE = "gateway"
 VERSION = "0.1.0"
 WEB = Path(__file__).resolve().parent.parent / "web"
-# Far above `max_frame_bytes`: a frame between the two gets an `error` frame and the
-# connection stays usable; only a frame past this one closes it (1009).
-WS_MAX_BYTES = 1024 * 1024
-
 log = get_logger(__name__)
 
 svc = Service(
@@ -65,55 +58,6 @@ def build_app(hub: Hub) -> Starlette:
             Mount("/", StaticFiles(directory=WEB, html=True), name="web"),
         ]
     )
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service entry point owns SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
-
-
-@contextlib.asynccontextmanager
-async def serving_http(
-    rt: Runtime, app: Starlette, settings: GatewaySettings
-) -> AsyncIterator[str]:
-    """uvicorn on the configured address for the life of the block; yields its base URL.
-
-    It runs as one of the service's background tasks, so its crash stops the service;
-    on the way out (SIGTERM included) it closes its connections in order first.
-    """
-    sock = _listen(settings.gateway_host, settings.gateway_port)
-    host, port = sock.getsockname()[:2]
-    server = _Server(
-        uvicorn.Config(
-            app,
-            ws="websockets-sansio",
-            ws_max_size=WS_MAX_BYTES,
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
-    )
-    serving = rt.background(server.serve(sockets=[sock]), "uvicorn")
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await serving
-        sock.close()
 
 
 async def main(
