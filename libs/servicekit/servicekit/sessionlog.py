@@ -2,10 +2,13 @@
 mapping of the log's refusals.
 
 No service reads another's tables (DESIGN, "Services"), so Criativo, handoff, the
-psychologist and the kit's own provenance check read and write the log through these
-commands. What they share lives here once:
+psychologist, the gateway and the kit's own provenance check read and write the log
+through these commands. What they share lives here once:
 - reads of a whole session or of many ids are paged at the log's own limit
   (`EVENTS_PAGE_MAX`, from the contracts), with the longer timeout a full page needs;
+  `pages()` hands them over a page at a time to a reader that sends as it reads;
+- the requests and replies are the catalog's `Command`s, typed by their models, sent by
+  `call` or by the service's own `Caller` (the gateway's maps silence to `unavailable`);
 - the refusals a caller branches on are types: `SessionNotFound` and `SessionClosed`,
   both `DomainError`s, so a command handler that meets one replies with it unchanged.
   `session()` passes any other refusal on the same way (a handler asking "which session
