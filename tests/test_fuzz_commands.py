@@ -151,7 +151,7 @@ class Case:
     field: str | None = None
 
 
-def bad_requests(command: Command, real: dict[str, Any]) -> dict[str, Case]:
+def bad_requests(command: Command[Any, Any], real: dict[str, Any]) -> dict[str, Case]:
     """Every kind of bad input, by name, for one command.
 
     `real` replaces sample values by field name (a session that exists, …), so that a
@@ -372,7 +372,7 @@ async def _things_that_exist(nc: Client) -> dict[str, Any]:
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.subject)
 async def test_bad_input_gets_a_coded_error_writes_nothing_and_breaks_nothing(
-    stack: Stack, command: Command
+    stack: Stack, command: Command[Any, Any]
 ) -> None:
     before = await stack.written()
     problems: dict[str, str] = {}

@@ -78,7 +78,7 @@ def _first_line(model: type[Message]) -> str:
     return (model.__doc__ or model.__name__).strip().splitlines()[0]
 
 
-def _documented_handler(command: Command) -> Callable[..., Awaitable[None]]:
+def _documented_handler(command: Command[Any, Any]) -> Callable[..., Awaitable[None]]:
     """A no-op handler whose signature carries the request model; it is never run."""
 
     async def handler(body: Any) -> None:
@@ -111,7 +111,7 @@ def _event_model(event_type: EventType) -> type[Event]:
     return model
 
 
-def _reply_channel(command: Command) -> str:
+def _reply_channel(command: Command[Any, Any]) -> str:
     return f"{command.subject}:Reply"
 
 

@@ -7,6 +7,7 @@ off this list; a command that is not here does not exist.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from contracts import streams, subjects
 from contracts.common import Message
@@ -68,47 +69,96 @@ from contracts.session_events import (
     TerminateSession,
 )
 
+Req = TypeVar("Req", bound=Message)
+Rep = TypeVar("Rep", bound=Message)
+
 
 @dataclass(frozen=True)
-class Command:
-    """One request/reply command: who serves it (its queue group) and its models."""
+class Command(Generic[Req, Rep]):
+    """One request/reply command: who serves it (its queue group) and its models.
+
+    Typed by its models, so a client sending `SESSIONS_OPEN` is checked to send an
+    `OpenSession` and handed a `SessionOpenedReply` (`servicekit.client.call`).
+    """
 
     subject: str
     service: str
-    request: type[Message]
-    reply: type[Message]
+    request: type[Req]
+    reply: type[Rep]
 
 
-COMMANDS = [
-    Command(subjects.SESSIONS_OPEN, "session_events", OpenSession, SessionOpenedReply),
-    Command(subjects.SESSIONS_CLOSE, "session_events", CloseSession, SessionClosedReply),
-    Command(subjects.SESSIONS_TERMINATE, "session_events", TerminateSession, SessionClosedReply),
-    Command(subjects.SESSIONS_HEARTBEAT, "session_events", SessionRef, HeartbeatReply),
-    Command(subjects.SESSIONS_GET, "session_events", SessionRef, SessionView),
-    Command(subjects.SESSIONS_LIST, "session_events", ListSessions, SessionsReply),
-    Command(subjects.EVENTS_APPEND, "session_events", AppendEvent, AppendedReply),
-    Command(subjects.EVENTS_GET, "session_events", GetEvents, EventsReply),
-    Command(subjects.EVENTS_LIST, "session_events", ListEvents, EventsReply),
-    Command(subjects.EVENTS_QUERY, "session_events", QueryEvents, EventsReply),
-    Command(subjects.HANDOFFS_OFFER, "handoff", OfferHandoff, OfferReply),
-    Command(subjects.HANDOFFS_OFFER_MANY, "handoff", OfferMany, OfferManyReply),
-    Command(subjects.HANDOFFS_ACCEPT, "handoff", HandoffDecision, AcceptReply),
-    Command(subjects.HANDOFFS_REJECT, "handoff", HandoffDecision, HandoffReply),
-    Command(subjects.HANDOFFS_COMPLETE, "handoff", HandoffDecision, HandoffReply),
-    Command(subjects.HANDOFFS_LIST, "handoff", ListHandoffs, HandoffsReply),
-    Command(subjects.AGENTS_ACTIVATE, "handoff", ActivateAgent, ActivationReply),
-    Command(subjects.AGENTS_ACTIVE, "handoff", ActiveAgents, ActiveAgentsReply),
-    Command(subjects.LLM_TURN, "metering", LlmTurn, TurnReply),
-    Command(subjects.LLM_STREAM, "metering", LlmStream, TurnReply),
-    Command(subjects.LLM_CANCEL, "metering", CancelTurn, CancelReply),
-    Command(subjects.BINDINGS_SET, "metering", SetBinding, BindingSetReply),
-    Command(subjects.BINDINGS_LIST, "metering", ListBindings, BindingsReply),
-    Command(subjects.BINDINGS_RESOLVE, "metering", ResolveBinding, ResolvedBinding),
-    Command(subjects.USAGE_SUMMARY, "metering", UsageSummaryRequest, UsageSummaryReply),
-    Command(subjects.PSYCHOLOGIST_REANALYZE, "psychologist", Reanalyze, AnalysisOutcome),
-    Command(subjects.HYPOTHESES_ACCEPT, "psychologist", HypothesisDecision, HypothesisReply),
-    Command(subjects.HYPOTHESES_DISMISS, "psychologist", HypothesisDecision, HypothesisReply),
-    Command(subjects.HYPOTHESES_LIST, "psychologist", ListHypotheses, HypothesesReply),
+SESSIONS_OPEN = Command(subjects.SESSIONS_OPEN, "session_events", OpenSession, SessionOpenedReply)
+SESSIONS_CLOSE = Command(
+    subjects.SESSIONS_CLOSE, "session_events", CloseSession, SessionClosedReply
+)
+SESSIONS_TERMINATE = Command(
+    subjects.SESSIONS_TERMINATE, "session_events", TerminateSession, SessionClosedReply
+)
+SESSIONS_HEARTBEAT = Command(
+    subjects.SESSIONS_HEARTBEAT, "session_events", SessionRef, HeartbeatReply
+)
+SESSIONS_GET = Command(subjects.SESSIONS_GET, "session_events", SessionRef, SessionView)
+SESSIONS_LIST = Command(subjects.SESSIONS_LIST, "session_events", ListSessions, SessionsReply)
+EVENTS_APPEND = Command(subjects.EVENTS_APPEND, "session_events", AppendEvent, AppendedReply)
+EVENTS_GET = Command(subjects.EVENTS_GET, "session_events", GetEvents, EventsReply)
+EVENTS_LIST = Command(subjects.EVENTS_LIST, "session_events", ListEvents, EventsReply)
+EVENTS_QUERY = Command(subjects.EVENTS_QUERY, "session_events", QueryEvents, EventsReply)
+HANDOFFS_OFFER = Command(subjects.HANDOFFS_OFFER, "handoff", OfferHandoff, OfferReply)
+HANDOFFS_OFFER_MANY = Command(subjects.HANDOFFS_OFFER_MANY, "handoff", OfferMany, OfferManyReply)
+HANDOFFS_ACCEPT = Command(subjects.HANDOFFS_ACCEPT, "handoff", HandoffDecision, AcceptReply)
+HANDOFFS_REJECT = Command(subjects.HANDOFFS_REJECT, "handoff", HandoffDecision, HandoffReply)
+HANDOFFS_COMPLETE = Command(subjects.HANDOFFS_COMPLETE, "handoff", HandoffDecision, HandoffReply)
+HANDOFFS_LIST = Command(subjects.HANDOFFS_LIST, "handoff", ListHandoffs, HandoffsReply)
+AGENTS_ACTIVATE = Command(subjects.AGENTS_ACTIVATE, "handoff", ActivateAgent, ActivationReply)
+AGENTS_ACTIVE = Command(subjects.AGENTS_ACTIVE, "handoff", ActiveAgents, ActiveAgentsReply)
+LLM_TURN = Command(subjects.LLM_TURN, "metering", LlmTurn, TurnReply)
+LLM_STREAM = Command(subjects.LLM_STREAM, "metering", LlmStream, TurnReply)
+LLM_CANCEL = Command(subjects.LLM_CANCEL, "metering", CancelTurn, CancelReply)
+BINDINGS_SET = Command(subjects.BINDINGS_SET, "metering", SetBinding, BindingSetReply)
+BINDINGS_LIST = Command(subjects.BINDINGS_LIST, "metering", ListBindings, BindingsReply)
+BINDINGS_RESOLVE = Command(subjects.BINDINGS_RESOLVE, "metering", ResolveBinding, ResolvedBinding)
+USAGE_SUMMARY = Command(subjects.USAGE_SUMMARY, "metering", UsageSummaryRequest, UsageSummaryReply)
+PSYCHOLOGIST_REANALYZE = Command(
+    subjects.PSYCHOLOGIST_REANALYZE, "psychologist", Reanalyze, AnalysisOutcome
+)
+HYPOTHESES_ACCEPT = Command(
+    subjects.HYPOTHESES_ACCEPT, "psychologist", HypothesisDecision, HypothesisReply
+)
+HYPOTHESES_DISMISS = Command(
+    subjects.HYPOTHESES_DISMISS, "psychologist", HypothesisDecision, HypothesisReply
+)
+HYPOTHESES_LIST = Command(subjects.HYPOTHESES_LIST, "psychologist", ListHypotheses, HypothesesReply)
+
+COMMANDS: list[Command[Any, Any]] = [
+    SESSIONS_OPEN,
+    SESSIONS_CLOSE,
+    SESSIONS_TERMINATE,
+    SESSIONS_HEARTBEAT,
+    SESSIONS_GET,
+    SESSIONS_LIST,
+    EVENTS_APPEND,
+    EVENTS_GET,
+    EVENTS_LIST,
+    EVENTS_QUERY,
+    HANDOFFS_OFFER,
+    HANDOFFS_OFFER_MANY,
+    HANDOFFS_ACCEPT,
+    HANDOFFS_REJECT,
+    HANDOFFS_COMPLETE,
+    HANDOFFS_LIST,
+    AGENTS_ACTIVATE,
+    AGENTS_ACTIVE,
+    LLM_TURN,
+    LLM_STREAM,
+    LLM_CANCEL,
+    BINDINGS_SET,
+    BINDINGS_LIST,
+    BINDINGS_RESOLVE,
+    USAGE_SUMMARY,
+    PSYCHOLOGIST_REANALYZE,
+    HYPOTHESES_ACCEPT,
+    HYPOTHESES_DISMISS,
+    HYPOTHESES_LIST,
 ]
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, overload
 
 from nats.aio.client import Client
 from pydantic import BaseModel, ValidationError
 
-from contracts.common import ErrorReply
+from contracts.catalog import Command
+from contracts.common import ErrorReply, Message
 from domain.errors import DomainError
 from servicekit.telemetry import inject_headers
 
 Rep = TypeVar("Rep", bound=BaseModel)
+# A command's models, as the catalog types them.
+CReq = TypeVar("CReq", bound=Message)
+CRep = TypeVar("CRep", bound=Message)
 
 
 class CommandFailed(Exception):
@@ -46,11 +50,46 @@ def parse_reply(data: bytes, reply_model: type[Rep]) -> Rep:
         raise CommandFailed(error.code, error.message, dict(error.details)) from None
 
 
+@overload
 async def call(
-    nc: Client, subject: str, request: BaseModel, reply_model: type[Rep], timeout: float = 5.0
-) -> Rep:
-    """Send a command and wait for its reply, carrying the trace context."""
+    nc: Client, command: Command[CReq, CRep], request: CReq, *, timeout: float = 5.0
+) -> CRep: ...
+
+
+@overload
+async def call(
+    nc: Client, command: str, request: BaseModel, reply_model: type[Rep], timeout: float = 5.0
+) -> Rep: ...
+
+
+async def call(
+    nc: Client,
+    command: Command[Any, Any] | str,
+    request: BaseModel,
+    reply_model: type[BaseModel] | None = None,
+    timeout: float = 5.0,
+) -> BaseModel:
+    """Send a command and wait for its reply, carrying the trace context.
+
+    Given the catalog's `Command`, the request and the reply are typed by it; given a
+    subject, the caller names the reply model.
+    """
+    if isinstance(command, Command):
+        subject, reply_model = command.subject, command.reply
+    else:
+        subject = command
+    if reply_model is None:
+        raise TypeError(f"call({subject!r}): name the reply model, or pass the catalog's Command")
     msg = await nc.request(
         subject, request.model_dump_json().encode(), timeout=timeout, headers=inject_headers()
     )
     return parse_reply(msg.data, reply_model)
+
+
+class Caller(Protocol):
+    """How a client sends a command: `call` on a connection, or a caller's own door that
+    adds its policy (the gateway's turns every failure into a `DomainError`)."""
+
+    async def __call__(
+        self, command: Command[CReq, CRep], request: CReq, timeout: float
+    ) -> CRep: ...

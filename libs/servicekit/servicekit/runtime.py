@@ -65,17 +65,25 @@ class Runtime:
     """What a running service holds: its settings, bus, store and background tasks."""
 
     name: str
-    schema: str
+    schema: str | None
     settings: ServiceSettings
     nc: Client
     js: JetStreamContext
-    pool: asyncpg.Pool
+    # None for a service that keeps nothing durable (the gateway): it has no schema.
+    db: asyncpg.Pool | None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     health: Health = field(default_factory=Health)
     metrics: MetricsServer | None = None
 
-    def background(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    @property
+    def pool(self) -> asyncpg.Pool:
+        """The service's Postgres pool, on its own schema."""
+        if self.db is None:
+            raise RuntimeError(f"{self.name} keeps nothing durable: it has no database pool")
+        return self.db
+
+    def background(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run `coro` for the life of the service; its crash stops the service (and the
         supervisor restarts it) rather than leaving a half-working process."""
         task = asyncio.create_task(coro, name=name)
@@ -87,6 +95,7 @@ class Runtime:
 
         task.add_done_callback(crashed)
         self.tasks.append(task)
+        return task
 
     def relay(self, sender: Sender, name: str = "outbox-relay") -> None:
         """Drain this schema's outbox through `sender` for the life of the service."""
@@ -98,10 +107,10 @@ class Runtime:
 
 @asynccontextmanager
 async def open_runtime(
-    name: str, schema: str, migrations: list[str], settings: ServiceSettings | None = None
+    name: str, schema: str | None, migrations: list[str], settings: ServiceSettings | None = None
 ) -> AsyncIterator[Runtime]:
     """Connect to NATS (as `name`'s user) and Postgres, check the streams and apply
-    migrations; undo on exit."""
+    migrations; undo on exit. With no `schema`, the service gets no Postgres at all."""
     settings = settings or ServiceSettings()
     nc = await connect_service(settings, name)
     js = nc.jetstream()
@@ -110,10 +119,12 @@ async def open_runtime(
     except BaseException:
         await nc.close()
         raise
-    pool = await create_pool(
-        settings.database_url, schema, settings.db_pool_min, settings.db_pool_max
-    )
-    await migrate(pool, schema, [KIT_MIGRATIONS, *migrations])
+    pool = None
+    if schema is not None:
+        pool = await create_pool(
+            settings.database_url, schema, settings.db_pool_min, settings.db_pool_max
+        )
+        await migrate(pool, schema, [KIT_MIGRATIONS, *migrations])
     runtime = Runtime(name, schema, settings, nc, js, pool)
     await _serve_metrics(runtime)
     try:
@@ -124,7 +135,8 @@ async def open_runtime(
         await asyncio.gather(*(stop(task) for task in runtime.tasks))
         with contextlib.suppress(Exception):
             await nc.drain()
-        await pool.close()
+        if pool is not None:
+            await pool.close()
 
 
 async def _serve_metrics(rt: Runtime) -> None:

@@ -11,6 +11,7 @@ A service declares its bus surface beside its handlers::
     @svc.subscribe(CLOSINGS)
     async def on_closed(event: Event, tx: Transaction) -> None: ...
 
+(`schema=None`: a service that keeps nothing durable, the gateway, gets no Postgres)
 and its `app.py`, the composition root (cosmicpython's `bootstrap`), builds the parts
 and runs it::
 
@@ -142,7 +143,7 @@ class Service:
         name: str,
         version: str,
         description: str,
-        schema: str,
+        schema: str | None,
         migrations: list[str] | None = None,
     ) -> None:
         self.name = name
@@ -197,7 +198,9 @@ class Service:
     async def serve(self, rt: Runtime, **deps: Any) -> None:
         """Start every subscription and command, then run until stopped (SIGTERM, or a
         background task crashed); stop serving and finish the requests in flight."""
-        given = {"nc": rt.nc, "js": rt.js, "pool": rt.pool, "settings": rt.settings, **deps}
+        given = {"nc": rt.nc, "js": rt.js, "settings": rt.settings, **deps}
+        if rt.db is not None:
+            given["pool"] = rt.db
         endpoints = self.endpoints(given)
         for sub in self.subscriptions:
             await self._start(rt, sub, given)

@@ -347,3 +347,25 @@ async def test_workers_pull_the_same_durable_side_by_side(
 
     await wait_for(lambda: settled(js, spec, 2), what="both notes acked")
     assert sorted(holding) == [1, 2]
+
+
+async def test_a_service_with_no_schema_runs_on_the_bus_alone(nats_url: str, nc: Client) -> None:
+    """What the gateway is: no Postgres opened, nor needed; still found by `$SRV.PING`."""
+    version = f"0.0.{uuid.uuid4().int % 10_000}"
+    svc = Service("gateway", version, "Keeps nothing.", schema=None)
+    # Nobody listens there: opening the service must not try it.
+    nowhere = "postgresql://nobody@127.0.0.1:9/nothing"
+    async with svc.open(ServiceSettings(nats_url=nats_url, database_url=nowhere)) as rt:
+        with pytest.raises(RuntimeError, match="no database pool"):
+            _ = rt.pool
+        serving = asyncio.create_task(svc.serve(rt))
+
+        async def announced() -> bool:
+            try:
+                reply = await nc.request("$SRV.PING.gateway", b"", timeout=0.5)
+            except Exception:
+                return False
+            return bool(json.loads(reply.data).get("version") == version)
+
+        await wait_for(announced, what="the store-less service answering $SRV.PING")
+        await stop(serving)

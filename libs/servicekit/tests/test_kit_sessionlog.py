@@ -1,6 +1,7 @@
 """`SessionLogClient` against the real session_events service, started as a process (by
 module name: the kit imports no service), on real NATS and Postgres: paging past the
-log's page size both ways, idempotent appends, and the refusals callers branch on
+log's page size both ways, idempotent appends, the project's sessions and heartbeats,
+a service's own caller carrying every command, and the refusals callers branch on
 arriving as types, not as strings."""
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import pytest_asyncio
 from nats.aio.client import Client
 from pydantic import ValidationError
 
+from contracts import subjects
+from contracts.catalog import Command
 from contracts.common import ErrorCode
 from contracts.events import BusinessRule, ChatMessage, EventType
 from contracts.session_events import EVENTS_PAGE_MAX
 from domain.errors import DomainError
-from servicekit.client import CommandFailed, parse_reply
+from servicekit.client import CommandFailed, CRep, CReq, call, parse_reply
 from servicekit.endpoint import error_reply
 from servicekit.sessionlog import (
     MAX_REASON_CHARS,
+    READ_TIMEOUT_SECONDS,
     SessionClosed,
     SessionLogClient,
     SessionNotFound,
@@ -94,6 +98,10 @@ async def test_reads_page_past_the_logs_limit(log: SessionLogClient) -> None:
     tail = await log.events(opened.session_id, after_seq=EVENTS_PAGE_MAX)
     assert [e.seq for e in tail] == [EVENTS_PAGE_MAX + 1, EVENTS_PAGE_MAX + 2]
 
+    pages = [page async for page in log.pages(opened.session_id)]
+    assert [len(page) for page in pages] == [EVENTS_PAGE_MAX, 2]
+    assert [e.seq for e in await log.page(opened.session_id, after_seq=5, limit=3)] == [6, 7, 8]
+
     unknown = uuid.uuid4()
     found = await log.get([*ids, unknown])  # more ids than one `cmd.events.get` takes
     assert sorted(e.id for e in found) == sorted(ids)
@@ -110,6 +118,43 @@ async def test_query_reads_a_projects_events_of_the_given_types(log: SessionLogC
     assert [e.id for e in chat] == said[:2]
     opened = await log.query(here, [EventType.SESSION_OPENED, EventType.CHAT_MESSAGE])
     assert len(opened) == 4
+
+
+async def test_sessions_lists_a_projects_sessions_and_heartbeats_keep_only_open_ones(
+    log: SessionLogClient,
+) -> None:
+    here = project()
+    first = await log.open(here, PERSON)
+    second = await log.open(here, PERSON)
+    await log.open(project(), PERSON)
+
+    listed = await log.sessions(here)
+    assert [s.session_id for s in listed] == [second.session_id, first.session_id]
+    assert (await log.heartbeat(first.session_id)).session_id == first.session_id
+    await log.close(first.session_id, PERSON)
+    with pytest.raises(SessionClosed):
+        await log.heartbeat(first.session_id)
+
+
+async def test_a_services_own_caller_carries_every_command_with_its_timeout(
+    log: SessionLogClient, nc: Client
+) -> None:
+    sent: list[tuple[str, float]] = []
+
+    async def caller(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        sent.append((command.subject, timeout))
+        return await call(nc, command, request, timeout=timeout)
+
+    own = SessionLogClient(nc, timeout=7.0, caller=caller)
+    opened = await own.open(project(), PERSON)
+    assert [e.type for e in await own.page(opened.session_id)] == [EventType.SESSION_OPENED]
+    with pytest.raises(SessionNotFound):  # the refusal is still typed
+        await own.session(uuid.uuid4())
+    assert sent == [
+        (subjects.SESSIONS_OPEN, 7.0),
+        (subjects.EVENTS_LIST, READ_TIMEOUT_SECONDS),
+        (subjects.SESSIONS_GET, 7.0),
+    ]
 
 
 async def test_an_unknown_session_is_session_not_found(log: SessionLogClient) -> None:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import uuid
 
-from contracts import subjects
 from contracts.common import ErrorCode
-from contracts.session_events import SessionRef, SessionView
+from contracts.session_events import SessionView
 from domain.errors import DomainError
 from gateway.auth import Principal
-from gateway.bus import Commands
+from servicekit.sessionlog import SessionLogClient
 
 
 async def own_session(
-    commands: Commands, principal: Principal, session_id: uuid.UUID
+    session_log: SessionLogClient, principal: Principal, session_id: uuid.UUID
 ) -> SessionView:
     """The session, if it belongs to the token's project; `forbidden` otherwise."""
-    view = await commands(subjects.SESSIONS_GET, SessionRef(session_id=session_id), SessionView)
+    view = await session_log.session(session_id)
     if view.project_id != principal.project_id:
         raise DomainError(
             ErrorCode.FORBIDDEN,

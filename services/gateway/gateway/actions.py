@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from contracts import subjects
+from contracts import catalog
+from contracts.events import ChatMessage, CriativoReadinessConfirmed, EventType
 from contracts.gateway import (
     AcceptHandoff,
     Chat,
@@ -32,23 +33,24 @@ from contracts.handoff import (
     HandoffReply,
 )
 from contracts.metering import CancelReply, CancelTurn
-from contracts.session_events import (
-    AppendedReply,
-    AppendEvent,
-    CloseSession,
-    HeartbeatReply,
-    SessionClosedReply,
-    SessionRef,
-)
+from contracts.session_events import AppendedReply, HeartbeatReply, SessionClosedReply
 from gateway.auth import Principal
 from gateway.bus import Commands
+from servicekit.sessionlog import SessionLogClient
 
 
 class SessionActions:
     """The frames that act on the joined session, for one principal."""
 
-    def __init__(self, commands: Commands, principal: Principal, session_id: uuid.UUID) -> None:
+    def __init__(
+        self,
+        commands: Commands,
+        session_log: SessionLogClient,
+        principal: Principal,
+        session_id: uuid.UUID,
+    ) -> None:
         self._c = commands
+        self._log = session_log
         self._p = principal
         self._s = session_id
 
@@ -68,22 +70,18 @@ class SessionActions:
         return lambda: act(frame)
 
     async def chat(self, frame: Chat) -> AppendedReply:
-        return await self._c(
-            subjects.EVENTS_APPEND,
-            AppendEvent(
-                session_id=self._s,
-                type="chat.message",
-                actor=self._p.actor,
-                payload={"text": frame.text, "client_msg_id": frame.client_msg_id},
-                # a resend after a reconnect appends nothing new
-                idempotency_key=f"gateway-chat:{self._s}:{frame.client_msg_id}",
-            ),
-            AppendedReply,
+        return await self._log.append(
+            self._s,
+            EventType.CHAT_MESSAGE,
+            self._p.actor,
+            ChatMessage(text=frame.text, client_msg_id=frame.client_msg_id),
+            # a resend after a reconnect appends nothing new
+            idempotency_key=f"gateway-chat:{self._s}:{frame.client_msg_id}",
         )
 
     async def start_agent(self, frame: StartAgent) -> ActivationReply:
         return await self._c(
-            subjects.AGENTS_ACTIVATE,
+            catalog.AGENTS_ACTIVATE,
             ActivateAgent(
                 project_id=self._p.project_id,
                 session_id=self._s,
@@ -91,51 +89,37 @@ class SessionActions:
                 via="user",
                 actor=self._p.actor,
             ),
-            ActivationReply,
         )
 
     async def confirm_readiness(self, _: ConfirmReadiness) -> AppendedReply:
-        return await self._c(
-            subjects.EVENTS_APPEND,
-            AppendEvent(
-                session_id=self._s,
-                type="criativo.readiness_confirmed",
-                actor=self._p.actor,
-                payload={},
-            ),
-            AppendedReply,
+        return await self._log.append(
+            self._s,
+            EventType.CRIATIVO_READINESS_CONFIRMED,
+            self._p.actor,
+            CriativoReadinessConfirmed(),
         )
 
     async def accept_handoff(self, frame: AcceptHandoff) -> AcceptReply:
         return await self._c(
-            subjects.HANDOFFS_ACCEPT,
+            catalog.HANDOFFS_ACCEPT,
             HandoffDecision(handoff_id=frame.handoff_id, session_id=self._s, actor=self._p.actor),
-            AcceptReply,
         )
 
     async def reject_handoff(self, frame: RejectHandoff) -> HandoffReply:
         return await self._c(
-            subjects.HANDOFFS_REJECT,
+            catalog.HANDOFFS_REJECT,
             HandoffDecision(handoff_id=frame.handoff_id, session_id=self._s, actor=self._p.actor),
-            HandoffReply,
         )
 
     async def close(self, _: CloseSessionFrame) -> SessionClosedReply:
-        return await self._c(
-            subjects.SESSIONS_CLOSE,
-            CloseSession(session_id=self._s, closed_by=self._p.actor),
-            SessionClosedReply,
-        )
+        return await self._log.close(self._s, self._p.actor)
 
     async def heartbeat(self, _: Heartbeat) -> HeartbeatReply:
-        return await self._c(
-            subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=self._s), HeartbeatReply
-        )
+        return await self._log.heartbeat(self._s)
 
     async def stop_turn(self, frame: StopTurn) -> CancelReply:
         # Scoped to the joined session: metering never touches a turn of another one.
         return await self._c(
-            subjects.LLM_CANCEL,
+            catalog.LLM_CANCEL,
             CancelTurn(turn_id=frame.turn_id, project_id=self._p.project_id, session_id=self._s),
-            CancelReply,
         )

@@ -1,20 +1,17 @@
 """Wiring of the gateway: the one place its parts are put together.
 
-The gateway keeps nothing durable (DESIGN.md): it needs NATS but no Postgres. It
-serves the web client, the HTTP API and the WebSocket with uvicorn, and registers an
-empty NATS micro service so `$SRV.PING` / `nats micro ls` (and `make up`) find it.
+The gateway keeps nothing durable (DESIGN.md): it runs on the kit like every service,
+with no schema, so it gets NATS but no Postgres. Its bus surface is empty: it calls the
+others' commands and serves none, so the kit registers it as a NATS micro service
+with no endpoints, which `$SRV.PING` / `nats micro ls` (and `make up`) find. It serves
+the web client, the HTTP API and the WebSocket with uvicorn, inside the service.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,27 +19,26 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from contracts import subjects
-from contracts.session_events import HeartbeatReply, SessionRef
 from gateway.auth import load_secret
 from gateway.bus import Commands
 from gateway.http import routes
 from gateway.presence import Presence
+from gateway.server import serving_http
 from gateway.settings import GatewaySettings
 from gateway.ws import Hub, websocket_endpoint
-from servicekit.bus import connect_service
-from servicekit.endpoint import Endpoints
 from servicekit.logs import get_logger
-from servicekit.runtime import require_streams, run_service
+from servicekit.runtime import run_service
+from servicekit.service import Service
+from servicekit.sessionlog import SessionLogClient
 
 SERVICE = "gateway"
 VERSION = "0.1.0"
 WEB = Path(__file__).resolve().parent.parent / "web"
-# Far above `max_frame_bytes`: a frame between the two gets an `error` frame and the
-# connection stays usable; only a frame past this one closes it (1009).
-WS_MAX_BYTES = 1024 * 1024
-
 log = get_logger(__name__)
+
+svc = Service(
+    SERVICE, VERSION, "The web gateway: the web client, its HTTP API and WebSocket.", schema=None
+)
 
 
 def build_app(hub: Hub) -> Starlette:
@@ -64,71 +60,26 @@ def build_app(hub: Hub) -> Starlette:
     )
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service entry point owns SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
-
-
 async def main(
     settings: GatewaySettings | None = None, on_listening: Callable[[str], None] | None = None
 ) -> None:
     """Serve HTTP and WebSocket until stopped; `on_listening` gets the base URL once bound."""
     settings = settings or GatewaySettings()
-    nc = await connect_service(settings, SERVICE)
-    await require_streams(nc.jetstream(), SERVICE, settings.stream_replicas)
-    commands = Commands(nc, settings.command_timeout_seconds)
-
-    async def beat(session_id: uuid.UUID) -> HeartbeatReply:
-        return await commands(
-            subjects.SESSIONS_HEARTBEAT, SessionRef(session_id=session_id), HeartbeatReply
+    async with svc.open(settings) as rt:
+        commands = Commands(rt.nc, settings.command_timeout_seconds)
+        session_log = SessionLogClient(
+            rt.nc, timeout=settings.command_timeout_seconds, caller=commands
         )
-
-    presence = Presence(beat, settings.heartbeat_interval_seconds)
-    hub = Hub(settings, load_secret(settings.gateway_secret), commands, presence)
-    sock = _listen(settings.gateway_host, settings.gateway_port)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
-    server = _Server(
-        uvicorn.Config(
-            build_app(hub),
-            ws="websockets-sansio",
-            ws_max_size=WS_MAX_BYTES,
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
-    )
-    serving = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
-    endpoints = Endpoints(SERVICE, VERSION, f"The web gateway: HTTP and WebSocket on {url}.")
-    service = await endpoints.start(nc, settings.endpoint_concurrency, settings.instance_id)
-    log.info("gateway_listening", url=url)
-    if on_listening is not None:
-        on_listening(url)
-    try:
-        # shielded: a cancellation (SIGTERM) lets uvicorn close its connections in order
-        await asyncio.shield(serving)
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await serving
-        await presence.stop()
-        await service.stop()
-        with contextlib.suppress(Exception):
-            await nc.drain()
-        sock.close()
+        presence = Presence(session_log.heartbeat, settings.heartbeat_interval_seconds)
+        hub = Hub(settings, load_secret(settings.gateway_secret), commands, session_log, presence)
+        try:
+            async with serving_http(rt, build_app(hub), settings) as url:
+                log.info("gateway_listening", url=url)
+                if on_listening is not None:
+                    on_listening(url)
+                await svc.serve(rt)
+        finally:
+            await presence.stop()
 
 
 def run() -> None:

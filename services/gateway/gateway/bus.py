@@ -1,4 +1,9 @@
-"""The gateway's door to the other services: commands with the gateway's timeout."""
+"""The gateway's door to the other services: commands with the gateway's timeout.
+
+The session log's commands go through the kit's `SessionLogClient` with this door as
+its caller, so a refusal or a silence of the log reaches the client the same way as
+any other service's.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +11,35 @@ from typing import TypeVar
 
 import nats.errors
 from nats.aio.client import Client
-from pydantic import BaseModel
 
-from contracts.common import ErrorCode
+from contracts.catalog import Command
+from contracts.common import ErrorCode, Message
 from domain.errors import DomainError
 from servicekit.client import CommandFailed, call
+from servicekit.sessionlog import typed_refusal
 
-Rep = TypeVar("Rep", bound=BaseModel)
+CReq = TypeVar("CReq", bound=Message)
+CRep = TypeVar("CRep", bound=Message)
 
 
 class Commands:
-    """Sends a command and turns a refusal or a silent service into a `DomainError`."""
+    """Sends a command and turns a refusal or a silent service into a `DomainError`
+    (a servicekit `Caller`)."""
 
     def __init__(self, nc: Client, timeout: float) -> None:
         self.nc = nc
         self._timeout = timeout
 
     async def __call__(
-        self, subject: str, request: BaseModel, reply: type[Rep], timeout: float | None = None
-    ) -> Rep:
+        self, command: Command[CReq, CRep], request: CReq, timeout: float | None = None
+    ) -> CRep:
+        """Send the catalog's `command`; its reply, typed by it, or a `DomainError`."""
         try:
-            return await call(self.nc, subject, request, reply, timeout or self._timeout)
+            return await call(self.nc, command, request, timeout=timeout or self._timeout)
         except CommandFailed as exc:
-            raise DomainError(exc.code, exc.message, **exc.details) from None
+            raise typed_refusal(exc) or exc.refusal() from None
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise DomainError(
-                ErrorCode.UNAVAILABLE, f"{subject} did not answer ({type(exc).__name__}); retry"
+                ErrorCode.UNAVAILABLE,
+                f"{command.subject} did not answer ({type(exc).__name__}); retry",
             ) from None

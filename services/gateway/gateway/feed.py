@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -37,14 +38,13 @@ from contracts.criativo import AgentDone
 from contracts.events import Event, EventType
 from contracts.gateway import DoneFrame, EventFrame
 from contracts.metering import TurnDelta
-from contracts.session_events import EventsReply, ListEvents
-from gateway.bus import Commands
+from contracts.session_events import EVENTS_PAGE_MAX
 from servicekit.logs import get_logger
+from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-PAGE = 500
 DELTA_PREFIX, DONE_PREFIX = subjects.DELTA_PREFIX, subjects.DONE_PREFIX
 # Events that end the turn their `causation_id` caused: no delta of it may follow them.
 OUTCOMES = frozenset(
@@ -65,9 +65,15 @@ class SessionFeed:
     """Follows one session for one connection until `close()`."""
 
     def __init__(
-        self, commands: Commands, project_id: str, session_id: uuid.UUID, send: Send
+        self,
+        nc: Client,
+        session_log: SessionLogClient,
+        project_id: str,
+        session_id: uuid.UUID,
+        send: Send,
     ) -> None:
-        self._commands = commands
+        self._nc = nc
+        self._log = session_log
         self._project = project_id
         self.session_id = session_id
         self._send = send
@@ -83,7 +89,7 @@ class SessionFeed:
 
     async def start(self, after_seq: int) -> None:
         """Subscribe, replay the log after `after_seq` and the open turns' deltas, go live."""
-        nc = self._commands.nc
+        nc = self._nc
 
         async def enqueue(msg: Msg) -> None:
             self._inbox.put_nowait(msg)
@@ -111,15 +117,10 @@ class SessionFeed:
 
     async def _catch_up(self, until_seq: int | None = None) -> None:
         """Send the log's events after `last_seq` (up to `until_seq`), page by page."""
-        while until_seq is None or self.last_seq < until_seq:
-            reply = await self._commands(
-                subjects.EVENTS_LIST,
-                ListEvents(session_id=self.session_id, after_seq=self.last_seq, limit=PAGE),
-                EventsReply,
-            )
-            for event in reply.events:
+        async for page in self._log.pages(self.session_id, after_seq=self.last_seq):
+            for event in page:
                 await self._send_event(event)
-            if len(reply.events) < PAGE:
+            if until_seq is not None and self.last_seq >= until_seq:
                 return
 
     async def _outcomes_already_sent(self, deltas: list[TurnDelta], after_seq: int) -> None:
@@ -133,13 +134,9 @@ class SessionFeed:
         causes = {d.causation_id for d in deltas if d.causation_id is not None}
         end = after_seq if causes else 0
         while causes and end > 0:
-            start = max(0, end - PAGE)
-            reply = await self._commands(
-                subjects.EVENTS_LIST,
-                ListEvents(session_id=self.session_id, after_seq=start, limit=end - start),
-                EventsReply,
-            )
-            for event in reply.events:
+            start = max(0, end - EVENTS_PAGE_MAX)
+            page = await self._log.page(self.session_id, after_seq=start, limit=end - start)
+            for event in page:
                 self._note_outcome(event)
                 causes.discard(event.id)
             end = start
@@ -179,7 +176,7 @@ class SessionFeed:
 
     async def _open_turn_deltas(self) -> list[TurnDelta]:
         """Deltas of the turns in flight, from the DELTAS stream (a reconnect mid-turn)."""
-        js = self._commands.nc.jetstream()
+        js = self._nc.jetstream()
         flt = f"agent.*.{self._project}.{self.session_id}"
         info = await js.stream_info(streams.DELTAS.name, subjects_filter=flt)
         total = sum((info.state.subjects or {}).values())

@@ -17,36 +17,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from contracts import subjects
+from contracts import catalog
 from contracts.common import ErrorBody, ErrorCode, ErrorReply
 from contracts.gateway import ClientConfig
-from contracts.handoff import HandoffsReply, ListHandoffs
+from contracts.handoff import ListHandoffs
 from contracts.metering import (
-    BindingSetReply,
-    BindingsReply,
     ListBindings,
     SetBinding,
-    UsageSummaryReply,
     UsageSummaryRequest,
 )
 from contracts.psychologist import (
-    AnalysisOutcome,
-    HypothesesReply,
     HypothesisDecision,
-    HypothesisReply,
     ListHypotheses,
     Reanalyze,
 )
-from contracts.session_events import (
-    EventsReply,
-    ListEvents,
-    ListSessions,
-    OpenSession,
-    SessionOpenedReply,
-)
-from contracts.session_events import (
-    SessionsReply as LogSessionsReply,
-)
+from contracts.session_events import EventsReply, ListEvents
 from domain.errors import DomainError
 from gateway.access import own_session
 from gateway.auth import Principal, require_project, verify
@@ -171,7 +156,7 @@ def _parse(model: type[M], data: dict[str, Any]) -> M:
 
 def routes(hub: Hub) -> list[Route]:
     """The API's routes, each a few lines over one command."""
-    c = hub.commands
+    c, session_log = hub.commands, hub.session_log
 
     async def whoami(_: Request, p: Principal) -> BaseModel:
         return ClientConfig(
@@ -179,67 +164,60 @@ def routes(hub: Hub) -> list[Route]:
         )
 
     async def list_sessions(_: Request, p: Principal) -> BaseModel:
-        reply = await c(
-            subjects.SESSIONS_LIST, ListSessions(project_id=p.project_id), LogSessionsReply
-        )
-        return sessions_of(reply.sessions)
+        return sessions_of(await session_log.sessions(p.project_id))
 
     async def open_session(_: Request, p: Principal) -> BaseModel:
-        return await c(
-            subjects.SESSIONS_OPEN,
-            OpenSession(project_id=p.project_id, opened_by=p.actor),
-            SessionOpenedReply,
-        )
+        return await session_log.open(p.project_id, p.actor)
 
     async def get_session(r: Request, p: Principal) -> BaseModel:
-        return await own_session(c, p, _uuid(r, "session"))
+        return await own_session(session_log, p, _uuid(r, "session"))
 
     async def session_events(r: Request, p: Principal) -> BaseModel:
         session_id = _uuid(r, "session")
-        await own_session(c, p, session_id)
+        await own_session(session_log, p, session_id)
         params = {k: v for k, v in r.query_params.items() if k in ("after_seq", "limit")}
         query = _parse(ListEvents, {"session_id": session_id, **params})
-        return await c(subjects.EVENTS_LIST, query, EventsReply)
+        page = await session_log.page(session_id, query.after_seq, query.limit)
+        return EventsReply(events=page)
 
     async def handoffs(r: Request, p: Principal) -> BaseModel:
         session = r.query_params.get("session_id")
         request = _parse(ListHandoffs, {"project_id": p.project_id, "session_id": session})
-        return await c(subjects.HANDOFFS_LIST, request, HandoffsReply)
+        return await c(catalog.HANDOFFS_LIST, request)
 
     async def insights(r: Request, p: Principal) -> BaseModel:
         status = r.query_params.get("status")
         request = _parse(ListHypotheses, {"project_id": p.project_id, "status": status})
-        return await c(subjects.HYPOTHESES_LIST, request, HypothesesReply)
+        return await c(catalog.HYPOTHESES_LIST, request)
 
     async def decide(r: Request, p: Principal) -> BaseModel:
         hypothesis_id = _uuid(r, "hypothesis")
         if r.path_params["decision"] not in ("accept", "dismiss"):
             raise DomainError(ErrorCode.INVALID_REQUEST, "decide with accept or dismiss")
         listed = await c(
-            subjects.HYPOTHESES_LIST,
+            catalog.HYPOTHESES_LIST,
             ListHypotheses(project_id=p.project_id, include_superseded=True),
-            HypothesesReply,
         )
         if not any(h.id == hypothesis_id for g in listed.groups for h in g.hypotheses):
             raise DomainError(
                 ErrorCode.HYPOTHESIS_NOT_FOUND, f"no hypothesis {hypothesis_id} in this project"
             )
-        subject = (
-            subjects.HYPOTHESES_ACCEPT
+        command = (
+            catalog.HYPOTHESES_ACCEPT
             if r.path_params["decision"] == "accept"
-            else subjects.HYPOTHESES_DISMISS
+            else catalog.HYPOTHESES_DISMISS
         )
         decision = HypothesisDecision(hypothesis_id=hypothesis_id, actor=p.actor)
-        return await c(subject, decision, HypothesisReply)
+        return await c(command, decision)
 
     async def reanalyze(r: Request, p: Principal) -> BaseModel:
         session_id = _uuid(r, "session")
-        await own_session(c, p, session_id)
+        await own_session(session_log, p, session_id)
         request = Reanalyze(project_id=p.project_id, session_id=session_id)
-        return await c(subjects.PSYCHOLOGIST_REANALYZE, request, AnalysisOutcome, timeout=120)
+        return await c(catalog.PSYCHOLOGIST_REANALYZE, request, timeout=120)
 
     async def bindings(_: Request, p: Principal) -> BaseModel:
-        return await c(subjects.BINDINGS_LIST, ListBindings(project_id=p.project_id), BindingsReply)
+        return await c(catalog.BINDINGS_LIST, ListBindings(project_id=p.project_id))
 
     async def set_binding(r: Request, p: Principal) -> BaseModel:
         body = await _body(r)
@@ -253,8 +231,8 @@ def routes(hub: Hub) -> list[Route]:
             scoped["project_id"] = p.project_id
         request = _parse(SetBinding, scoped)
         if request.session_id is not None:
-            await own_session(c, p, request.session_id)
-        return await c(subjects.BINDINGS_SET, request, BindingSetReply)
+            await own_session(session_log, p, request.session_id)
+        return await c(catalog.BINDINGS_SET, request)
 
     async def usage(r: Request, p: Principal) -> BaseModel:
         group_by = (r.query_params.get("group_by") or "session,agent,model").split(",")
@@ -263,7 +241,7 @@ def routes(hub: Hub) -> list[Route]:
             UsageSummaryRequest,
             {"group_by": group_by, "project_id": p.project_id, "session_id": session},
         )
-        return await c(subjects.USAGE_SUMMARY, request, UsageSummaryReply)
+        return await c(catalog.USAGE_SUMMARY, request)
 
     base = "/api/projects/{project}"
 

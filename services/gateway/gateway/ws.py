@@ -30,6 +30,7 @@ from gateway.presence import Presence
 from gateway.ratelimit import TokenBucket
 from gateway.settings import GatewaySettings
 from servicekit.logs import get_logger
+from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
 FRAMES: TypeAdapter[Any] = TypeAdapter(ClientFrame)
@@ -46,6 +47,7 @@ class Hub:
     settings: GatewaySettings
     secret: str
     commands: Commands
+    session_log: SessionLogClient
     presence: Presence
 
 
@@ -148,14 +150,21 @@ class Connection:
         return result
 
     async def _join(self, frame: Join) -> dict[str, Any]:
-        view = await own_session(self._hub.commands, self._principal, frame.session_id)
+        hub = self._hub
+        view = await own_session(hub.session_log, self._principal, frame.session_id)
         await self._leave()
         feed = SessionFeed(
-            self._hub.commands, self._principal.project_id, frame.session_id, self.send
+            hub.commands.nc,
+            hub.session_log,
+            self._principal.project_id,
+            frame.session_id,
+            self.send,
         )
         await feed.start(frame.after_seq)
         self._feed = feed
-        self._actions = SessionActions(self._hub.commands, self._principal, frame.session_id)
+        self._actions = SessionActions(
+            hub.commands, hub.session_log, self._principal, frame.session_id
+        )
         if view.status == "open":
             self._hub.presence.enter(frame.session_id)
             self._present = frame.session_id

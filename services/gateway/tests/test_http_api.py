@@ -10,8 +10,8 @@ import httpx
 import pytest
 from nats.aio.client import Client
 
-from contracts import subjects
-from contracts.handoff import OfferHandoff, OfferReply
+from contracts import catalog
+from contracts.handoff import OfferHandoff
 from domain.errors import DomainError
 from gateway.auth import mint
 from gateway.bus import Commands
@@ -99,7 +99,7 @@ async def test_agente_ja_ativo_is_a_conflict(gateway: Gateway, nc: Client) -> No
         project_id=gateway.project, session_id=session_id, from_agent="po", to_agent="criativo"
     )
     with pytest.raises(DomainError) as refused:
-        await Commands(nc, timeout=30)(subjects.HANDOFFS_OFFER, offer, OfferReply)
+        await Commands(nc, timeout=30)(catalog.HANDOFFS_OFFER, offer)
     assert refused.value.code == "agente_ja_ativo"
     assert status_of(refused.value.code) == 409
 

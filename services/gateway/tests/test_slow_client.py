@@ -29,7 +29,13 @@ class StalledSocket:
 
 async def test_a_client_that_stops_reading_is_let_go_with_1013() -> None:
     settings = GatewaySettings(max_queued_frames=5)
-    hub = Hub(settings=settings, secret="s", commands=cast(Any, None), presence=cast(Any, None))
+    hub = Hub(
+        settings=settings,
+        secret="s",
+        commands=cast(Any, None),
+        session_log=cast(Any, None),
+        presence=cast(Any, None),
+    )
     socket = StalledSocket()
     connection = Connection(hub, cast(WebSocket, socket), Principal("p", "ana"))
     writer = asyncio.create_task(connection._write())
