@@ -141,7 +141,8 @@ async def open_runtime(
 
 async def _serve_metrics(rt: Runtime) -> None:
     """Start `/metrics`, `/livez`, `/readyz` (servicekit.metrics) with this runtime's
-    checks: NATS connected, Postgres answering, every background task running."""
+    checks: NATS connected, Postgres answering (when it has one), every background task
+    running."""
 
     async def postgres() -> bool:
         answer: int = await rt.pool.fetchval("SELECT 1")
@@ -162,8 +163,11 @@ async def _serve_metrics(rt: Runtime) -> None:
         OUTBOX_ROWS.labels(rt.schema).set(row[0])
         OUTBOX_OLDEST_SECONDS.labels(rt.schema).set(row[1])
 
-    rt.health.checks.update(nats=nats_connected, postgres=postgres, tasks=tasks)
-    rt.health.samplers.append(outbox)
+    rt.health.checks.update(nats=nats_connected, tasks=tasks)
+    # A service that keeps nothing durable (the gateway) has no Postgres to check.
+    if rt.db is not None:
+        rt.health.checks.update(postgres=postgres)
+        rt.health.samplers.append(outbox)
     rt.metrics = MetricsServer(rt.health, rt.settings.metrics_host, rt.settings.metrics_port)
     await rt.metrics.start()
     log.info("metrics_serving", service=rt.name, url=rt.metrics.url)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import asyncpg
+import httpx
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
@@ -368,4 +369,10 @@ async def test_a_service_with_no_schema_runs_on_the_bus_alone(nats_url: str, nc:
             return bool(json.loads(reply.data).get("version") == version)
 
         await wait_for(announced, what="the store-less service answering $SRV.PING")
+        # Ready without a database: there is none to wait for.
+        assert rt.metrics is not None
+        async with httpx.AsyncClient(timeout=5) as http:
+            ready = await http.get(f"{rt.metrics.url}/readyz")
+        assert ready.status_code == 200, ready.text
+        assert "postgres" not in ready.text
         await stop(serving)
