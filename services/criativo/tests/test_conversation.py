@@ -272,7 +272,12 @@ async def test_a_brief_offered_while_po_is_active_is_refused_and_the_person_is_t
     assert "'po' is already active" in error.payload["reason"]
     assert len(await bus.events(second, "artifact.product_brief")) == 1  # the brief stays
     assert await bus.events(second, EventType.HANDOFF_OFFERED.value) == []
-    assert await bus.db.fetchval("SELECT count(*) FROM criativo.outbox") == 0
+    # The relay appends the notice before it deletes the offer's row: the refused offer
+    # is settled (deleted), neither kept for another attempt nor dead-lettered.
+    await wait_for(
+        lambda: bus.db.fetchval("SELECT count(*) = 0 FROM criativo.outbox"), what="outbox drained"
+    )
+    assert await bus.db.fetchval("SELECT count(*) FROM criativo.dead_letters") == 0
 
 
 async def test_a_malformed_input_is_dead_lettered_and_the_others_still_answered(
