@@ -39,8 +39,14 @@ from contracts.metering import (
 from domain.metering import cost_micros
 from metering.cancels import Cancellations
 from metering.catalog import Catalog
-from metering.providers.anthropic import AnthropicProvider, estimate_output_tokens
-from metering.providers.base import OnText, Progress, ProviderReply, ProviderRequest
+from metering.providers.anthropic import AnthropicProvider
+from metering.providers.base import (
+    OnText,
+    Progress,
+    ProviderReply,
+    ProviderRequest,
+    estimate_output_tokens,
+)
 from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
 from metering.repository import MeteringRepository
 from metering.testing import Metering, Starter
