@@ -25,7 +25,7 @@ from metering.providers.base import ProviderError
 from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCall, ScriptStep
 from metering.testing import Metering, Starter
 from servicekit.client import call
-from servicekit.testing import wait_for
+from servicekit.testing import subscribed, wait_for
 
 NUMBER_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
@@ -213,7 +213,7 @@ async def collect_deltas(nc: Client, subject: str) -> tuple[list[TurnDelta], Any
         deltas.append(TurnDelta.model_validate_json(msg.data))
 
     sub = await nc.subscribe(subject, cb=collect)
-    await nc.flush()
+    await subscribed(nc)
     return deltas, sub
 
 

@@ -336,6 +336,20 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
+async def subscribed(nc: Client) -> None:
+    """Return once every subscription `nc` has made is in force on the server.
+
+    `nc.flush()` alone does not promise it (nats-py 2.16): its PING is written to the
+    socket at once, ahead of the commands still queued for the client's flusher task (a
+    SUB just made), and the server may send the PONG before it has read that SUB. A
+    publish from another connection then finds no subscriber (`no responders`, a delta
+    missed). When the first PONG is back the queue has been written, so a second PING
+    goes after the SUB, and its PONG proves the server has it.
+    """
+    await nc.flush()
+    await nc.flush()
+
+
 async def stream_messages(nc: Client, stream: str, subject_filter: str) -> list[Any]:
     """Every message of `stream` on `subject_filter`, read through an ephemeral consumer."""
     js = nc.jetstream()

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from contracts import streams, subjects
 from contracts.events import EventType
 from servicekit.bus import check_streams, provision_streams
-from servicekit.testing import wait_for
+from servicekit.testing import subscribed, wait_for
 
 ConnectAs = Callable[..., Awaitable[Client]]
 
@@ -62,7 +62,7 @@ async def received(nc: Client, subject: str) -> list[Msg]:
         got.append(msg)
 
     await nc.subscribe(subject, cb=keep)
-    await nc.flush()
+    await subscribed(nc)
     return got
 
 
@@ -142,7 +142,7 @@ async def test_the_gateway_may_cancel_a_turn(connect_as: ConnectAs, nc: Client) 
         await msg.respond(b'{"cancelled": true}')
 
     await nc.subscribe(subjects.LLM_CANCEL, cb=answer)
-    await nc.flush()
+    await subscribed(nc)
 
     reply = await gateway.request(subjects.LLM_CANCEL, b"{}", timeout=5)
 
@@ -206,7 +206,7 @@ async def test_ops_reads_streams_consumers_and_follows_events(
         followed.append(msg)
 
     await ops.subscribe("session.>", cb=keep)
-    await ops.flush()
+    await subscribed(ops)
     await nc.jetstream().publish(closing, b"{}")
 
     info = await ops.jetstream().stream_info(streams.EVENTS.name)

@@ -47,7 +47,7 @@ from metering.providers.scripted import (
 from metering.testing import Metering, Starter
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
-from servicekit.testing import log_events, running_service, wait_for
+from servicekit.testing import log_events, running_service, subscribed, wait_for
 from session_events.app import LogSettings
 from session_events.app import main as log_main
 
@@ -249,7 +249,7 @@ class Driver:
 
         await self.nc.subscribe(subjects.delta_subject(self.project, session_id), cb=on_delta)
         await self.nc.subscribe(subjects.done_subject(self.project, session_id), cb=on_done)
-        await self.nc.flush()
+        await subscribed(self.nc)
         return seen
 
     async def usage(self, session_id: uuid.UUID) -> list[asyncpg.Record]:

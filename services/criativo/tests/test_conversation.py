@@ -85,7 +85,7 @@ async def test_readiness_writes_the_brief_and_offers_it_to_po(bus: Driver) -> No
     rule = (await bus.events(session, "artifact.business_rule"))[0]
     readiness = await bus.ready(session)
 
-    async def offered() -> list[object]:
+    async def offered() -> list[Event]:
         return await bus.events(session, EventType.HANDOFF_OFFERED.value)
 
     offer = (await wait_for(offered, timeout=30, what=EventType.HANDOFF_OFFERED.value))[0]
@@ -101,7 +101,7 @@ async def test_readiness_writes_the_brief_and_offers_it_to_po(bus: Driver) -> No
     # a repeated confirmation is a new brief whose offer supersedes the pending one
     again = await bus.ready(session)
 
-    async def superseded() -> list[object]:
+    async def superseded() -> list[Event]:
         return await bus.events(session, "handoff.superseded")
 
     await wait_for(superseded, timeout=30, what="handoff.superseded")
@@ -147,7 +147,7 @@ async def test_a_redelivered_message_is_not_answered_again(bus: Driver, nc: Clie
 
     async def consumed() -> bool:
         info = await js.consumer_info("EVENTS", "criativo-inputs")
-        return info.ack_floor.stream_seq >= ack.seq and info.num_ack_pending == 0
+        return bool(info.ack_floor.stream_seq >= ack.seq and info.num_ack_pending == 0)
 
     await wait_for(consumed, what="the copy to be handled")
     answers = [e for e in await bus.events(session, "agent.response") if e.causation_id == message]
@@ -221,7 +221,7 @@ async def test_an_actor_that_keeps_crashing_ends_the_session_abnormally(bus: Dri
     session = await bus.open()
     await bus.say(session, "HUGE reply please")
 
-    async def closed() -> list[object]:
+    async def closed() -> list[Event]:
         return await bus.events(session, "session.closed_abnormally")
 
     ending = (await wait_for(closed, timeout=30, what="session.closed_abnormally"))[0]
@@ -272,7 +272,12 @@ async def test_a_brief_offered_while_po_is_active_is_refused_and_the_person_is_t
     assert "'po' is already active" in error.payload["reason"]
     assert len(await bus.events(second, "artifact.product_brief")) == 1  # the brief stays
     assert await bus.events(second, EventType.HANDOFF_OFFERED.value) == []
-    assert await bus.db.fetchval("SELECT count(*) FROM criativo.outbox") == 0
+    # The relay appends the notice before it deletes the offer's row: the refused offer
+    # is settled (deleted), neither kept for another attempt nor dead-lettered.
+    await wait_for(
+        lambda: bus.db.fetchval("SELECT count(*) = 0 FROM criativo.outbox"), what="outbox drained"
+    )
+    assert await bus.db.fetchval("SELECT count(*) FROM criativo.dead_letters") == 0
 
 
 async def test_a_malformed_input_is_dead_lettered_and_the_others_still_answered(
@@ -392,7 +397,7 @@ async def _consumed(bus: Driver, stream_seq: int) -> None:
 
     async def done() -> bool:
         info = await js.consumer_info("EVENTS", "criativo-inputs")
-        return info.ack_floor.stream_seq >= stream_seq and info.num_ack_pending == 0
+        return bool(info.ack_floor.stream_seq >= stream_seq and info.num_ack_pending == 0)
 
     await wait_for(done, what="the forged input to be acknowledged")
 

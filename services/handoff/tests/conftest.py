@@ -106,10 +106,20 @@ class Driver:
         )
 
 
+def offered_id(reply: OfferReply) -> uuid.UUID:
+    """The id of the offer a reply names (every reply but an `if_absent` skip names one)."""
+    assert reply.handoff is not None, reply
+    return reply.handoff.id
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def services(nats_url: str, database_url: str, nc: Client) -> AsyncIterator[None]:
     """session_events and handoff, in this process."""
-    fast = {"nats_url": nats_url, "database_url": database_url, "outbox_poll_seconds": 0.2}
+    fast: dict[str, Any] = {
+        "nats_url": nats_url,
+        "database_url": database_url,
+        "outbox_poll_seconds": 0.2,
+    }
     async with (
         running_service(log_main(LogSettings(**fast)), nc, "session_events"),
         running_service(handoff_main(ServiceSettings(**fast)), nc, "handoff"),

@@ -28,7 +28,7 @@ from contracts.handoff import (
 from servicekit.client import CommandFailed, call
 from servicekit.testing import wait_for
 
-from .conftest import Driver
+from .conftest import Driver, offered_id
 
 SUPERSEDED = EventType.HANDOFF_SUPERSEDED.value
 OFFERED = EventType.HANDOFF_OFFERED.value
@@ -47,7 +47,7 @@ async def activate(bus: Driver, session_id: uuid.UUID, agent: str, via: str) -> 
     return await call(
         bus.nc,
         subjects.AGENTS_ACTIVATE,
-        ActivateAgent(project_id=bus.project, session_id=session_id, agent=agent, via=via),  # type: ignore[arg-type]
+        ActivateAgent(project_id=bus.project, session_id=session_id, agent=agent, via=via),
         ActivationReply,
     )
 
@@ -62,10 +62,10 @@ async def test_no_pending_offer_creates_one_with_its_event(bus: Driver) -> None:
 
     assert reply.outcome == "created"
     [row] = await bus.rows("po")
-    assert (row["id"], row["status"], row["artifact_id"]) == (reply.handoff.id, "offered", brief)
+    assert (row["id"], row["status"], row["artifact_id"]) == (offered_id(reply), "offered", brief)
     [event] = await bus.events(s, "handoff.")
     assert event.type == EventType.HANDOFF_OFFERED
-    assert event.payload["handoff_id"] == str(reply.handoff.id)
+    assert event.payload["handoff_id"] == str(offered_id(reply))
     assert event.actor == "agent:criativo"
     assert event.causation_id == brief
 
@@ -80,7 +80,7 @@ async def test_same_session_without_a_new_artifact_returns_the_pending_one(
     again = await bus.offer(s, "po", None if again_with == "no-artifact" else brief)
 
     assert again.outcome == "ja_oferecido"
-    assert again.handoff.id == first.handoff.id
+    assert offered_id(again) == offered_id(first)
     assert len(await bus.rows("po")) == 1
     assert [e.type for e in await bus.events(s, "handoff.")] == [EventType.HANDOFF_OFFERED]
 
@@ -92,16 +92,16 @@ async def test_a_new_artifact_in_the_same_session_supersedes_the_pending_one(bus
 
     assert new.outcome == "substituiu_oferta"
     rows = {r["id"]: r for r in await bus.rows("po")}
-    assert rows[old.handoff.id]["status"] == "superseded"
-    assert rows[old.handoff.id]["superseded_by"] == new.handoff.id
-    assert rows[new.handoff.id]["status"] == "offered"
+    assert rows[offered_id(old)]["status"] == "superseded"
+    assert rows[offered_id(old)]["superseded_by"] == offered_id(new)
+    assert rows[offered_id(new)]["status"] == "offered"
     events = await bus.events(s, "handoff.")
     assert [e.type.value for e in events] == [OFFERED, OFFERED, SUPERSEDED]
     assert events[2].payload == {
-        "handoffId": str(old.handoff.id),
+        "handoffId": str(offered_id(old)),
         "toAgent": "po",
         "motivo": "nova_oferta",
-        "substitutaId": str(new.handoff.id),
+        "substitutaId": str(offered_id(new)),
     }
     assert events[2].actor == "system:handoff-lifecycle"
 
@@ -117,8 +117,8 @@ async def test_a_pending_offer_in_another_session_is_superseded_there_even_if_cl
 
     assert new.outcome == "substituiu_oferta"
     [superseded] = await bus.events(elsewhere, SUPERSEDED)
-    assert superseded.payload["handoffId"] == str(old.handoff.id)
-    assert superseded.payload["substitutaId"] == str(new.handoff.id)
+    assert superseded.payload["handoffId"] == str(offered_id(old))
+    assert superseded.payload["substitutaId"] == str(offered_id(new))
     assert [e.type.value for e in await bus.events(here, "handoff.")] == [OFFERED]
 
 
@@ -130,7 +130,7 @@ async def test_fifty_identical_offers_at_once_write_one_offer_and_one_event(bus:
     replies = await asyncio.gather(*(bus.offer(s, "po") for _ in range(50)))
 
     assert sorted(r.outcome for r in replies).count("created") == 1
-    assert {r.handoff.id for r in replies} == {replies[0].handoff.id}
+    assert {offered_id(r) for r in replies} == {offered_id(replies[0])}
     [row] = await bus.rows("po")
     assert row["status"] == "offered"
     assert len(await bus.events(s, OFFERED)) == 1
@@ -170,7 +170,7 @@ async def test_offers_to_different_targets_never_wait_on_each_other(bus: Driver)
 async def test_an_offer_to_an_active_agent_is_refused_and_writes_nothing(bus: Driver) -> None:
     s = await bus.open()
     pending = await bus.offer(s, "po")
-    await accept(bus, pending.handoff.id, s)
+    await accept(bus, offered_id(pending), s)
     rows_before = len(await bus.rows("po"))
     events_before = len(await bus.events(s))
 
@@ -208,7 +208,7 @@ async def test_accepting_activates_the_target_and_supersedes_its_offers_everywhe
     assert reply.handoff.status == "accepted"
     assert (reply.activation.agent, reply.activation.via) == ("po", "accept")
     [in_s2] = [r["id"] for r in await bus.rows("po") if r["session_id"] == s2]
-    assert sorted(reply.superseded) == sorted([o1.handoff.id, in_s2])
+    assert sorted(reply.superseded) == sorted([offered_id(o1), in_s2])
     statuses = {r["id"]: r["status"] for r in await bus.rows("po")}
     assert sorted(statuses.values()) == ["accepted", "superseded", "superseded"]
     for session in (s1, s2):
@@ -235,7 +235,7 @@ async def test_every_activation_path_supersedes_pending_offers_to_the_agent(
 
     reply = await activate(bus, here, "criativo", via)
 
-    assert reply.superseded == [offer.handoff.id]
+    assert reply.superseded == [offered_id(offer)]
     [event] = await bus.events(waiting, SUPERSEDED)
     assert (event.payload["motivo"], event.payload["substitutaId"]) == ("agente_ativado", None)
     [activated] = await bus.events(here, "agent.activated")
@@ -254,7 +254,7 @@ async def test_the_execution_activates_a_sub_agent_superseding_its_internal_offe
 
     reply = await activate(bus, here, "dev-auth", "execution")
 
-    assert reply.superseded == [internal.handoff.id]
+    assert reply.superseded == [offered_id(internal)]
     [event] = await bus.events(waiting, SUPERSEDED)
     assert event.payload["motivo"] == "agente_ativado"
     with pytest.raises(CommandFailed) as refused:
@@ -276,7 +276,7 @@ async def test_accepting_in_a_closed_session_is_refused(bus: Driver) -> None:
     offer = await bus.offer(s, "po")
     await bus.close(s)
     with pytest.raises(CommandFailed) as refused:
-        await accept(bus, offer.handoff.id, s)
+        await accept(bus, offered_id(offer), s)
     assert refused.value.code == "session_closed"
     [row] = await bus.rows("po")
     assert row["status"] == "offered"
@@ -301,7 +301,7 @@ async def test_closing_a_session_ends_the_activity_in_it(bus: Driver) -> None:
 async def test_transitions_outside_the_table_are_refused(bus: Driver) -> None:
     s = await bus.open()
     offer = await bus.offer(s, "po")
-    decision = HandoffDecision(handoff_id=offer.handoff.id, session_id=s, reason="not now")
+    decision = HandoffDecision(handoff_id=offered_id(offer), session_id=s, reason="not now")
     rejected = await call(bus.nc, subjects.HANDOFFS_REJECT, decision, HandoffReply)
     assert rejected.handoff.status == "rejected"
     for subject in (subjects.HANDOFFS_ACCEPT, subjects.HANDOFFS_REJECT, subjects.HANDOFFS_COMPLETE):
@@ -315,11 +315,11 @@ async def test_transitions_outside_the_table_are_refused(bus: Driver) -> None:
 async def test_an_accepted_handoff_completes(bus: Driver) -> None:
     s = await bus.open()
     offer = await bus.offer(s, "po")
-    await accept(bus, offer.handoff.id, s)
+    await accept(bus, offered_id(offer), s)
     done = await call(
         bus.nc,
         subjects.HANDOFFS_COMPLETE,
-        HandoffDecision(handoff_id=offer.handoff.id, session_id=s),
+        HandoffDecision(handoff_id=offered_id(offer), session_id=s),
         HandoffReply,
     )
     assert done.handoff.status == "completed"
@@ -370,9 +370,9 @@ async def test_if_absent_offers_only_to_a_target_neither_offered_nor_active(bus:
 
     pending = await bus.offer(s, "arquiteto", await bus.artifact(s), src="appsec", mode="if_absent")
     assert (pending.outcome, pending.skipped) == ("ja_oferecido", "ja_oferecido")
-    assert pending.handoff is not None and pending.handoff.id == created.handoff.id
+    assert pending.handoff is not None and pending.handoff.id == offered_id(created)
 
-    await accept(bus, created.handoff.id, s)
+    await accept(bus, offered_id(created), s)
     active = await bus.offer(s, "arquiteto", src="appsec", mode="if_absent")
     assert (active.handoff, active.skipped) == (None, "agente_ja_ativo")
     assert len(await bus.rows("arquiteto")) == 1
@@ -468,5 +468,5 @@ async def test_a_handoff_is_accepted_only_in_its_own_session(bus: Driver) -> Non
     s, elsewhere = await bus.open(), await bus.open()
     offer = await bus.offer(s, "po")
     with pytest.raises(CommandFailed) as refused:
-        await accept(bus, offer.handoff.id, elsewhere)
+        await accept(bus, offered_id(offer), elsewhere)
     assert refused.value.code == "handoff_not_in_session"

@@ -29,7 +29,7 @@ from metering.providers.anthropic import AnthropicProvider
 from metering.providers.base import Progress, ProviderError, ProviderRequest
 from metering.testing import Starter
 from servicekit.client import call
-from servicekit.testing import wait_for
+from servicekit.testing import subscribed, wait_for
 
 from .fake_messages_api import (
     MESSAGE_STOP,
@@ -299,7 +299,7 @@ async def test_metering_streams_and_bills_through_the_sdk_at_anthropic_base_url(
         deltas.append(TurnDelta.model_validate_json(msg.data))
 
     await nc.subscribe(subject, cb=collect)
-    await nc.flush()
+    await subscribed(nc)
     cmd = LlmStream(
         run_id="run-a",
         turn_id=f"turn-{uuid.uuid4().hex}",

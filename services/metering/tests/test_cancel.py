@@ -39,15 +39,21 @@ from contracts.metering import (
 from domain.metering import cost_micros
 from metering.cancels import Cancellations
 from metering.catalog import Catalog
-from metering.providers.anthropic import AnthropicProvider, estimate_output_tokens
-from metering.providers.base import OnText, Progress, ProviderReply, ProviderRequest
+from metering.providers.anthropic import AnthropicProvider
+from metering.providers.base import (
+    OnText,
+    Progress,
+    ProviderReply,
+    ProviderRequest,
+    estimate_output_tokens,
+)
 from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
 from metering.repository import MeteringRepository
 from metering.testing import Metering, Starter
 from metering.turns import TurnRunner
 from servicekit.client import call
 from servicekit.db import create_pool
-from servicekit.testing import wait_for
+from servicekit.testing import subscribed, wait_for
 
 from .fake_messages_api import MESSAGE_STOP, FakeMessagesApi, Reply, message_delta, message_start
 from .fake_messages_api import text_block as sse_text_block
@@ -156,7 +162,7 @@ async def cancel(nc: Client, request: CancelTurn) -> CancelReply:
 async def watch(nc: Client, cmd: LlmStream) -> Deltas:
     deltas = Deltas()
     await nc.subscribe(cmd.delta_subject, cb=deltas.collect)
-    await nc.flush()
+    await subscribed(nc)
     return deltas
 
 
@@ -554,11 +560,19 @@ async def ping_pids(nc: Client) -> set[str]:
     return pids
 
 
+# SCRIPT's long answer at 150 ms a word: a minute (LONG). The answer must outlast a second
+# replica's start and the first one's drain, which SCRIPT's ten seconds do not always do on
+# a loaded machine (two processes start, under a suite running beside them).
+ROLLING_SCRIPT = Script(
+    steps=[SCRIPT.steps[0].model_copy(update={"token_delay_ms": 150}), *SCRIPT.steps[1:]]
+)
+
+
 async def test_a_replica_shutting_down_still_stops_its_stream_when_another_serves_the_cancel(
     nc: Client, spawn: Any, database_url: str, tmp_path: Path
 ) -> None:
     script = tmp_path / "script.json"
-    script.write_text(SCRIPT.model_dump_json(), encoding="utf-8")
+    script.write_text(ROLLING_SCRIPT.model_dump_json(), encoding="utf-8")
     env = {"AGENTBUS_PROVIDER": "scripted", "AGENTBUS_SCRIPT_PATH": str(script)}
     first = spawn("metering", **env)
     await first.wait_ready(nc, "metering")

@@ -35,7 +35,10 @@ async def test_an_abandoned_hold_is_settled_once_at_its_worst_case(database_url:
             )
         }
         assert runs == {"run-1": (600, 0), "run-2": (0, 300)}  # the live call keeps its hold
-        holds = dict(await pool.fetch("SELECT turn_id, status FROM budget_holds"))
+        holds = {
+            r["turn_id"]: r["status"]
+            for r in await pool.fetch("SELECT turn_id, status FROM budget_holds")
+        }
         assert holds == {"turn-dead": "settled", "turn-live": "held"}
     finally:
         await pool.close()

@@ -37,7 +37,7 @@ from metering.testing import Metering, Starter
 from metering.turns import prompt_bytes
 from servicekit.client import CommandFailed, call
 from servicekit.db import create_pool
-from servicekit.testing import wait_for
+from servicekit.testing import subscribed, wait_for
 
 # The seeded list prices (µUSD per million tokens).
 SEEDED = date(2026, 5, 29)
@@ -221,7 +221,7 @@ async def test_a_stream_publishes_numbered_deltas_in_order_then_replies_whole(
         deltas.append(TurnDelta.model_validate_json(msg.data))
 
     sub = await nc.subscribe(subject, cb=collect)
-    await nc.flush()
+    await subscribed(nc)
     cmd = LlmStream(**turn("streamer").model_dump(), delta_subject=subject)
     reply = await run_turn(nc, cmd, subjects.LLM_STREAM)
     await wait_for(lambda: len(deltas) == 10, what="ten deltas")

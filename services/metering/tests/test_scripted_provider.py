@@ -89,6 +89,31 @@ async def test_default_script_psychologist_cites_event_ids_from_its_prompt() -> 
     assert not [b for b in closing.content if isinstance(b, ToolUseBlock)]
 
 
+async def test_default_script_psychologist_cites_only_the_ids_its_prompt_marks_as_events() -> None:
+    # A reanalysed session: its log ends with the last analysis's own events, whose
+    # payloads hold uuids that are not events (the analysis's and the hypothesis's ids).
+    said, answered, closed = (str(uuid.uuid4()) for _ in range(3))
+    analysis, hypothesis, proposed = (str(uuid.uuid4()) for _ in range(3))
+    t = "2026-11-30T20:00:00+00:00"
+    prompt = "\n".join(
+        [
+            "# The session's event log, oldest first",
+            f'#1 {t} chat.message by user:ana {{"text":"hi"}} event_id: {said}',
+            f"#2 {t} agent.response by agent:criativo caused_by={said} {{}} event_id: {answered}",
+            f"#3 {t} session.closed by user:ana {{}} event_id: {closed}",
+            f"#4 {t} psychologist.hypothesis_proposed by agent:psicologo "
+            f'{{"analysis_id":"{analysis}","hypothesis_id":"{hypothesis}",'
+            f'"evidence_event_ids":["{answered}","{closed}"]}} event_id: {proposed}',
+        ]
+    )
+    reply = await ScriptedProvider(DEFAULT_SCRIPT).complete(
+        request("psicologo-leve", user(prompt), tools=("emit_hypotheses",)), Progress(), None
+    )
+    [call] = [b for b in reply.content if isinstance(b, ToolUseBlock)]
+    [cited] = call.input["hypotheses"]
+    assert cited["evidence_event_ids"] == [answered, closed]
+
+
 async def test_default_script_criativo_records_a_rule_citing_the_message_and_writes_a_brief() -> (
     None
 ):

@@ -45,7 +45,7 @@ async def forgeries_acked(nc: Client, db: asyncpg.Pool) -> None:
 
     async def settled() -> bool:
         info = await nc.jetstream().consumer_info(streams.EVENTS.name, CONSUMER)
-        return info.num_ack_pending == 0 and info.num_redelivered == 0
+        return bool(info.num_ack_pending == 0 and info.num_redelivered == 0)
 
     await wait_for(settled, what="the forgeries acked")
     assert await db.fetchval("SELECT count(*) FROM psychologist.dead_letters") == 0

@@ -175,7 +175,7 @@ async def test_a_duplicate_delivery_after_success_spends_nothing(bus: Driver) ->
 
     async def consumed() -> bool:
         info = await js.consumer_info(streams.EVENTS.name, "psychologist-session-closings")
-        return info.ack_floor.stream_seq >= ack.seq and info.num_ack_pending == 0
+        return bool(info.ack_floor.stream_seq >= ack.seq and info.num_ack_pending == 0)
 
     await wait_for(consumed, what="the duplicate closing to be acknowledged")
     assert bus.metering.calls == calls

@@ -28,6 +28,9 @@ UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9
 # Criativo shows each message as `[message <id>]` before its text (domain.criativo).
 MESSAGE_TAG = re.compile(r"\[message [0-9a-f-]{36}\]")
 WORD = re.compile(r"\S+\s*|\s+")
+# The Psicólogo's log lines: `#<seq> <time> <type> by <actor> … event_id: <id>` (its context).
+EVENT_ID = re.compile(rf"\bevent_id: ({UUID_PATTERN.pattern})\s*$")
+PSYCHOLOGIST_LINE = re.compile(r"#\d+ \S+ psychologist\.")
 
 
 class ScriptedToolCall(BaseModel):
@@ -126,8 +129,29 @@ def _ids_in_conversation(request: ProviderRequest) -> list[str]:
     return list(seen)
 
 
+def _evidence_ids(request: ProviderRequest) -> list[str]:
+    """The ids the Psicólogo's prompt marks as events (`… event_id: <id>` at the end of a log
+    line), as its instructions say to cite. Other uuids of the prompt (an analysis's or a
+    hypothesis's id in a payload) are not events and would be refused; the Psicólogo's own
+    events (a reanalysed session holds the last analysis's) are left out, so the evidence
+    does not depend on how many of them were relayed into the log yet. A prompt without
+    those marks gives every uuid it holds."""
+    lines = [
+        line
+        for message in request.messages
+        if message.role == "user"
+        for line in _text_of(message).splitlines()
+    ]
+    marked = [(line, EVENT_ID.search(line)) for line in lines]
+    events = [(line, m.group(1)) for line, m in marked if m is not None]
+    if not events:
+        return _ids_in_conversation(request)
+    behaviour = [i for line, i in events if not PSYCHOLOGIST_LINE.match(line)]
+    return list(dict.fromkeys(behaviour or [i for _, i in events]))
+
+
 def _psychologist_hypotheses(request: ProviderRequest, n: int) -> tuple[str, list[ToolUseBlock]]:
-    ids = _ids_in_conversation(request)
+    ids = _evidence_ids(request)
     if not ids:
         return "The session holds no events I can cite, so I propose no hypothesis.", []
     hypothesis = {
