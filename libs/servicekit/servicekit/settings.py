@@ -40,3 +40,7 @@ class ServiceSettings(BaseSettings):
     endpoint_concurrency: int = 256
     outbox_batch: int = 256
     outbox_poll_seconds: float = 1.0
+    # How long a service waits out a dependency that is restarting (no responders,
+    # timeouts, `unavailable` replies) before it reports the outage (issue 13): about
+    # as long as a person waits for an answer.
+    dependency_wait_seconds: float = 60.0
