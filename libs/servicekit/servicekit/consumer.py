@@ -38,9 +38,13 @@ from contracts import subjects
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
 from servicekit.logs import get_logger
+from servicekit.patience import is_unavailable
 from servicekit.telemetry import span_from_headers
 
 log = get_logger(__name__)
+
+# How long a puller waits before asking again while JetStream does not answer.
+UNAVAILABLE_PAUSE_SECONDS = 0.5
 
 Handler = Callable[[Msg], Awaitable[None]]
 # The key of a message's lane: messages of one key are handled in stream order.
@@ -145,6 +149,16 @@ class DurableConsumer:
                 try:
                     msgs = await sub.fetch(self.spec.batch, timeout=1.0)
                 except (NatsTimeoutError, TimeoutError):
+                    continue
+                except Exception as exc:
+                    # JetStream away for a moment (the server restarting, a node electing
+                    # leaders): no messages this time, not the end of the service (issue 13).
+                    if not is_unavailable(exc):
+                        raise
+                    log.warning(
+                        "consumer_fetch_unavailable", consumer=self.spec.durable, error=repr(exc)
+                    )
+                    await asyncio.sleep(UNAVAILABLE_PAUSE_SECONDS)
                     continue
                 self._held.update((id(m), m) for m in msgs)
                 if self._ordering_key is None:
