@@ -19,6 +19,7 @@ from nats.aio.client import Client
 
 from contracts import subjects
 from contracts.common import ErrorCode
+from contracts.events import Event
 from contracts.session_events import SessionRef, SessionView
 from criativo.app import main as criativo_main
 from criativo.handlers import CONSUMER
@@ -96,6 +97,21 @@ async def test_metering_started_within_the_wait_the_message_is_answered_once(
         assert plain_answer.type.value == "agent.response"
         assert plain_answer.payload["agent"] == "chat"
 
+        # Metering dies (SIGKILL) and the person asks for the brief meanwhile: the
+        # consolidation waits for the restarted metering, then brief and offer, once.
+        metering.kill()
+        readiness = await driver.ready(session)
+        await wait_for(lambda: held_by_criativo(nc), what="criativo to hold the readiness")
+        metering.start(**SCRIPTED)
+        await metering.wait_ready(nc, "metering")
+
+        async def offered() -> list[Event]:
+            return await driver.events(session, "handoff.offered")
+
+        [offer] = await wait_for(offered, timeout=30, what="the brief offered to po")
+        [brief] = await driver.events(session, "artifact.product_brief")
+        assert brief.causation_id == readiness and offer.causation_id == brief.id
+
         # Answered once, nothing reported as an error, both sessions still open.
         for s in (session, plain):
             outcomes = [e for e in await driver.events(s, "agent.") if e.causation_id]
@@ -123,6 +139,11 @@ async def test_metering_away_past_the_wait_the_person_is_told_and_the_session_go
         # Still down: the next message is told too (after one more try, not a whole wait).
         again = await driver.say(session, "ainda aí?")
         assert (await driver.outcome(session, again)).payload["code"] == "dependency_unavailable"
+        # The consolidation is told the same way; the readiness is not lost to a crash.
+        readiness = await driver.ready(session)
+        told = await driver.outcome(session, readiness)
+        assert told.type.value == "agent.error"
+        assert told.payload["code"] == "dependency_unavailable"
         assert await session_status(nc, session) == "open"
 
         metering = spawn("metering", **SCRIPTED)
@@ -135,6 +156,7 @@ async def test_metering_away_past_the_wait_the_person_is_told_and_the_session_go
         assert [(e.type.value, e.causation_id) for e in outcomes] == [
             ("agent.error", said),
             ("agent.error", again),
+            ("agent.error", readiness),
             ("agent.response", later),
         ]
         assert not await driver.events(session, "session.closed")
