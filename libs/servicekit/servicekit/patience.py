@@ -70,12 +70,16 @@ class Patience:
         self._first = first_backoff
         self._max = max_backoff
         self._down_since: float | None = None
+        # A wait ran out since the dependency last answered: it is known to be away.
+        self._gave_up = False
 
     async def retry(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
         """`attempt()`'s result; an unavailable dependency is asked again with backoff
         until the wait is over, then its last exception is raised."""
         start = time.monotonic()
-        long_down = self._down_since is not None and start - self._down_since > self.wait_seconds
+        long_down = self._gave_up or (
+            self._down_since is not None and start - self._down_since > self.wait_seconds
+        )
         deadline = start if long_down else start + self.wait_seconds
         delay = self._first
         while True:
@@ -88,6 +92,7 @@ class Patience:
                 if self._down_since is None:
                     self._down_since = now
                 if now + delay > deadline:
+                    self._gave_up = True
                     log.warning(
                         "dependency_unavailable_gave_up",
                         what=what,
@@ -99,5 +104,5 @@ class Patience:
                 await asyncio.sleep(delay)  # backoff against a restarting service
                 delay = min(delay * 2, self._max)
                 continue
-            self._down_since = None
+            self._down_since, self._gave_up = None, False
             return result
