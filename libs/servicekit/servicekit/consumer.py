@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from contracts import subjects
 from servicekit.cancellation import raise_if_cancelling
@@ -153,7 +154,9 @@ class DurableConsumer:
                 except Exception as exc:
                     # JetStream away for a moment (the server restarting, a node electing
                     # leaders): no messages this time, not the end of the service (issue 13).
-                    if not is_unavailable(exc):
+                    # A pull to a consumer that no longer exists gets the same 503: that
+                    # one still stops the service (a deleted stream is never papered over).
+                    if not is_unavailable(exc) or await self._gone():
                         raise
                     log.warning(
                         "consumer_fetch_unavailable", consumer=self.spec.durable, error=repr(exc)
@@ -173,6 +176,17 @@ class DurableConsumer:
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
                 await sub.unsubscribe()
+
+    async def _gone(self) -> bool:
+        """Whether JetStream says this consumer (or its stream) no longer exists; a
+        JetStream that does not answer says nothing."""
+        try:
+            await self._js.consumer_info(self.spec.stream, self.spec.durable)
+        except NotFoundError:
+            return True
+        except Exception:
+            return False
+        return False
 
     async def _handle_batch(self, msgs: list[Msg]) -> None:
         """Handle the fetched messages in order (the waiting ones are kept alive)."""
