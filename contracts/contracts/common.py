@@ -157,6 +157,9 @@ class ErrorCode(StrEnum):
     TURN_ALREADY_FAILED = "turn_already_failed"
     PROVIDER_ERROR = "provider_error"
     PROVIDER_OVERLOADED = "provider_overloaded"
+    # a service the turn needs (metering, the log) stayed unreachable for longer than a
+    # person waits; nothing is wrong with the message: sending it again will work
+    DEPENDENCY_UNAVAILABLE = "dependency_unavailable"
     # psychologist (ADR 0015)
     INVALID_HYPOTHESIS = "invalid_hypothesis"
     EVIDENCE_NOT_FOUND = "evidence_not_found"

@@ -1,9 +1,10 @@
 """`agentbus`: run the stack and talk to it from a terminal.
 
-agentbus up                       start servers and services (what `make up` runs)
+agentbus up [--replicas N]        start servers and services (what `make up` runs);
+                                  N processes of every service (default 1)
 agentbus down                     stop them
 agentbus call SUBJECT [JSON]      send a command, print the reply
-agentbus services                 list the services answering on the bus
+agentbus services                 list the service instances answering on the bus
 agentbus token PROJECT [--user U] a signed token (and link) for the web gateway
 agentbus creds USER               how the NATS CLI connects as USER (ops, provision, …)
 agentbus provision                create or update the streams (the `provision` user)
@@ -92,7 +93,8 @@ async def _services() -> int:
             if msg.data:
                 info = json.loads(msg.data)
                 subjects = ", ".join(sorted(e["subject"] for e in info["endpoints"]))
-                print(f"{info['name']:<16} {info['id']}  {subjects}")
+                instance = (info.get("metadata") or {}).get("instance") or "-"
+                print(f"{info['name']:<16} {instance:<24} {info['id']}  {subjects}")
     except (nats.errors.TimeoutError, TimeoutError):
         pass
     finally:
@@ -198,13 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="agentbus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start NATS, Postgres and every service; Ctrl-C stops them")
+    up = sub.add_parser("up", help="start NATS, Postgres and every service; Ctrl-C stops them")
+    up.add_argument(
+        "--replicas", type=int, default=1, help="processes of every service (default 1)"
+    )
     sub.add_parser("down", help="stop a running stack")
     call = sub.add_parser("call", help="send a command and print its reply")
     call.add_argument("subject")
     call.add_argument("json", nargs="?", default="{}")
     call.add_argument("--timeout", type=float, default=5.0)
-    sub.add_parser("services", help="list the services answering on the bus")
+    sub.add_parser("services", help="list the service instances answering on the bus")
     ping = sub.add_parser("ping", help="check that a service instance answers (for probes)")
     ping.add_argument("service")
     ping.add_argument(
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "up":
         configure_logging("devstack", os.environ.get("AGENTBUS_LOG_LEVEL", "INFO"))
-        asyncio.run(run_stack())
+        asyncio.run(run_stack(replicas=args.replicas))
         return 0
     if args.command == "down":
         print("stopped" if stop_stack() else "no stack was running")

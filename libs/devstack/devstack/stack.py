@@ -8,6 +8,13 @@ the servers. Where everything listens is printed and kept in
 `<state>/stack.json`, which `agentbus call` and `agentbus down` read. The services
 are those installed with an `agentbus.services` entry point (`devstack.services`).
 
+`agentbus up --replicas N` runs N processes of every service, each supervised on its
+own and with its own instance id (`AGENTBUS_INSTANCE_ID=<service>-<i>`, which
+`$SRV.PING`/`$SRV.INFO` report and `agentbus services` lists). Replicas share the load
+as in a deployment: one queue group per command, one durable consumer per
+subscription. A web service (the gateway) runs N replicas too, on N consecutive ports
+from its configured one (0: each on a free port); every replica's link is printed.
+
 The embedded NATS accepts no anonymous client: its config (`<state>/nats.conf`) has
 one user per service with permissions derived from the contracts, and passwords
 generated once into `<state>/nats-secrets.json` (mode 0600, never committed). Each
@@ -27,9 +34,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import psutil
+from nats.aio.client import Client
 
 from contracts import streams
 from devstack.services import ServiceSpec, discover, web_links
@@ -50,6 +59,30 @@ log = get_logger("devstack")
 RESTART_MAX_DELAY = 30.0
 HEALTHY_AFTER = 60.0
 STOP_GRACE = 10.0
+# The port a web service listens on (the gateway's setting): replica i gets the
+# configured port + i - 1, so each replica of the web client can be opened.
+WEB_PORT_VARIABLE = "AGENTBUS_GATEWAY_PORT"
+
+
+def instance_id(service: str, replica: int) -> str:
+    """The instance id of a service's `replica`-th process (1-based), kept across restarts."""
+    return f"{service}-{replica}"
+
+
+def replica_env(
+    env: dict[str, str], service: str, replica: int, web_port: int | None
+) -> dict[str, str]:
+    """The environment of one replica: its instance id, and its port if it serves the web."""
+    values = {**env, "AGENTBUS_INSTANCE_ID": instance_id(service, replica)}
+    if web_port:  # a fixed port (0 lets every replica pick a free one)
+        values[WEB_PORT_VARIABLE] = str(web_port + replica - 1)
+    return values
+
+
+def with_port(url: str, port: int) -> str:
+    """`url` on another port (a web link, for another replica)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{parts.hostname}:{port}"))
 
 
 def stack_file() -> Path:
@@ -102,8 +135,9 @@ def _alive(pid: object) -> bool:
 class Supervised:
     """One service process, restarted whenever it dies until the stack stops."""
 
-    def __init__(self, spec: ServiceSpec, env: dict[str, str]) -> None:
+    def __init__(self, spec: ServiceSpec, env: dict[str, str], replica: int = 1) -> None:
         self.spec = spec
+        self.replica = replica
         self._env = env
         self._process: asyncio.subprocess.Process | None = None
         self._stopping = False
@@ -129,6 +163,7 @@ class Supervised:
             log.error(
                 "service_died_restarting",
                 service=self.spec.name,
+                replica=self.replica,
                 exit_code=code,
                 restart=self.restarts,
                 restart_in=delay,
@@ -145,43 +180,71 @@ class Supervised:
         try:
             await asyncio.wait_for(process.wait(), STOP_GRACE)
         except TimeoutError:
-            log.warning("service_killed", service=self.spec.name)
+            log.warning("service_killed", service=self.spec.name, replica=self.replica)
             process.kill()
             await process.wait()
 
 
 async def _describe(
-    nats_url: str, credentials: Credentials | None, specs: list[ServiceSpec], timeout: float = 30.0
+    nats_url: str,
+    credentials: Credentials | None,
+    specs: list[ServiceSpec],
+    replicas: int = 1,
+    timeout: float = 30.0,
 ) -> list[str]:
-    """Wait for every service to answer `$SRV.INFO`, and list its endpoints (as `ops`)."""
+    """Wait for every replica of every service to answer `$SRV.INFO`, and list each
+    service's endpoints and instances (as `ops`)."""
     nc = await nats.connect(nats_url, name="agentbus-up", **identity_options(credentials))
     lines = []
     try:
         for spec in specs:
             deadline = time.monotonic() + timeout
             while True:
-                try:
-                    msg = await nc.request(f"$SRV.INFO.{spec.name}", b"", timeout=0.5)
-                    if msg.data:
-                        break
-                except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                    pass
+                infos = await _infos(nc, spec.name)
+                if len(infos) >= replicas:
+                    break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{spec.name} did not start in {timeout}s")
+                    raise TimeoutError(
+                        f"{spec.name}: {len(infos)} of {replicas} replicas started in {timeout}s"
+                    )
                 await asyncio.sleep(0.2)
-            info = json.loads(msg.data)
+            info = next(iter(infos.values()))
             commands = ", ".join(sorted(e["subject"] for e in info["endpoints"]))
             lines.append(f"  {spec.name:<16} {commands}")
             # Announced by the kit in its micro metadata (servicekit.metrics).
             if metrics := (info.get("metadata") or {}).get("metrics"):
                 lines.append(f"  {'':<16} metrics {metrics}/metrics")
+            if replicas > 1:
+                lines.append(f"  {'':<16} replicas: {', '.join(sorted(infos))}")
     finally:
         await nc.close()
     return lines
 
 
-async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
-    """Run servers and services until SIGINT/SIGTERM."""
+async def _infos(nc: Client, service: str, window: float = 0.5) -> dict[str, dict[str, Any]]:
+    """`$SRV.INFO` of every instance of `service` that answers within `window`, by instance."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        await nc.publish(f"$SRV.INFO.{service}", b"", reply=inbox)
+        with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+            async with asyncio.timeout(window):
+                while True:
+                    msg = await sub.next_msg(timeout=window)
+                    if msg.data:  # an empty one is the server's "no responders"
+                        info = json.loads(msg.data)
+                        meta = info.get("metadata") or {}
+                        found[str(meta.get("instance") or info["id"])] = info
+    finally:
+        await sub.unsubscribe()
+    return found
+
+
+async def run_stack(specs: list[ServiceSpec] | None = None, replicas: int = 1) -> None:
+    """Run servers and `replicas` processes of every service until SIGINT/SIGTERM."""
+    if replicas < 1:
+        raise SystemExit("--replicas must be at least 1")
     specs = specs or discover()
     if read_stack() is not None:
         raise SystemExit(f"a stack is already running ({stack_file()}); `make down` first")
@@ -212,8 +275,15 @@ async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
             return env
         return {**env, "NATS_USER": name, "NATS_PASSWORD": secrets[name]}
 
-    supervised = [Supervised(spec, service_env(spec.name)) for spec in specs]
-    tasks = [asyncio.create_task(s.run(), name=s.spec.name) for s in supervised]
+    web = _web_ports(specs)
+    supervised = [
+        Supervised(spec, replica_env(service_env(spec.name), spec.name, i, web.get(spec.name)), i)
+        for spec in specs
+        for i in range(1, replicas + 1)
+    ]
+    tasks = [
+        asyncio.create_task(s.run(), name=instance_id(s.spec.name, s.replica)) for s in supervised
+    ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -226,11 +296,12 @@ async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
                     "nats_url": nats_url,
                     "database_url": database_url,
                     "services": [s.name for s in specs],
+                    "replicas": replicas,
                 },
                 indent=2,
             )
         )
-        lines = await _describe(nats_url, identity(OPS), specs)
+        lines = await _describe(nats_url, identity(OPS), specs, replicas)
         print(
             "\nagentbus is up\n"
             f"  NATS      {nats_url}{_embedded(embedded_nats)}\n"
@@ -240,7 +311,7 @@ async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
             "  .tools/bin/uv run agentbus call cmd.sessions.open "
             '\'{"project_id": "demo", "opened_by": "user:me"}\'\n'
             "  .tools/bin/uv run agentbus creds ops     # how the NATS CLI connects\n"
-            "Ctrl-C or `make down` stops everything.\n" + _web_link(specs),
+            "Ctrl-C or `make down` stops everything.\n" + _web_link(specs, replicas),
             flush=True,
         )
         await stop.wait()
@@ -260,10 +331,30 @@ async def run_stack(specs: list[ServiceSpec] | None = None) -> None:
         log.info("stack_stopped")
 
 
-def _web_link(specs: list[ServiceSpec]) -> str:
-    """The web client's link for the local `demo` project, when a web service runs."""
+def _web_ports(specs: list[ServiceSpec]) -> dict[str, int]:
+    """The configured port of each web service that runs (from the link it makes)."""
     running = {spec.name for spec in specs}
-    links = [link("demo") for name, link in web_links().items() if name in running]
+    return {
+        name: urlsplit(link("demo")).port or 0
+        for name, link in web_links().items()
+        if name in running
+    }
+
+
+def _web_link(specs: list[ServiceSpec], replicas: int = 1) -> str:
+    """The web client's link for the local `demo` project, when a web service runs (one
+    per replica, on its port)."""
+    running = {spec.name for spec in specs}
+    links = []
+    for name, link in web_links().items():
+        if name not in running:
+            continue
+        url = link("demo")
+        port = urlsplit(url).port
+        if not port or replicas == 1:
+            links.append(url)
+        else:
+            links += [with_port(url, port + i) for i in range(replicas)]
     return "".join(f"open the web client (project demo):\n  {url}\n" for url in links)
 
 

@@ -452,6 +452,9 @@ _READABLE: dict[str, str] = {
     "answer right now. Ask the project owner to raise it; the conversation is kept.",
     ErrorCode.PROVIDER_OVERLOADED.value: "The model is overloaded and did not answer after "
     "several attempts. Please send your message again in a moment; nothing was lost.",
+    ErrorCode.DEPENDENCY_UNAVAILABLE.value: "A service I need to answer is restarting and "
+    "did not come back in time, so this message was not answered. Please send it again "
+    "in a moment; the conversation so far is kept.",
     ErrorCode.PROVIDER_ERROR.value: "The model failed to answer this message. Please send it "
     "again; the conversation so far is kept.",
 }

@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from contracts import subjects
 from servicekit.cancellation import raise_if_cancelling
@@ -45,9 +46,13 @@ from servicekit.metrics import (
     CONSUMER_REDELIVERIES,
     DEAD_LETTERS,
 )
+from servicekit.patience import is_unavailable
 from servicekit.telemetry import span_from_headers
 
 log = get_logger(__name__)
+
+# How long a puller waits before asking again while JetStream does not answer.
+UNAVAILABLE_PAUSE_SECONDS = 0.5
 
 Handler = Callable[[Msg], Awaitable[None]]
 # The key of a message's lane: messages of one key are handled in stream order.
@@ -153,6 +158,18 @@ class DurableConsumer:
                     msgs = await sub.fetch(self.spec.batch, timeout=1.0)
                 except (NatsTimeoutError, TimeoutError):
                     continue
+                except Exception as exc:
+                    # JetStream away for a moment (the server restarting, a node electing
+                    # leaders): no messages this time, not the end of the service (issue 13).
+                    # A pull to a consumer that no longer exists gets the same 503: that
+                    # one still stops the service (a deleted stream is never papered over).
+                    if not is_unavailable(exc) or await self._gone():
+                        raise
+                    log.warning(
+                        "consumer_fetch_unavailable", consumer=self.spec.durable, error=repr(exc)
+                    )
+                    await asyncio.sleep(UNAVAILABLE_PAUSE_SECONDS)
+                    continue
                 self._held.update((id(m), m) for m in msgs)
                 if self._ordering_key is None:
                     await self._handle_batch(msgs)
@@ -166,6 +183,17 @@ class DurableConsumer:
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
                 await sub.unsubscribe()
+
+    async def _gone(self) -> bool:
+        """Whether JetStream says this consumer (or its stream) no longer exists; a
+        JetStream that does not answer says nothing."""
+        try:
+            await self._js.consumer_info(self.spec.stream, self.spec.durable)
+        except NotFoundError:
+            return True
+        except Exception:
+            return False
+        return False
 
     async def _handle_batch(self, msgs: list[Msg]) -> None:
         """Handle the fetched messages in order (the waiting ones are kept alive)."""

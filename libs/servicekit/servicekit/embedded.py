@@ -61,12 +61,18 @@ class EmbeddedNats:
 
 
 def start_nats(
-    state_dir: Path, max_payload_mb: int = 8, auth: Mapping[str, Any] | None = None
+    state_dir: Path,
+    max_payload_mb: int = 8,
+    auth: Mapping[str, Any] | None = None,
+    listen: str = "127.0.0.1:-1",
+    jetstream: bool = True,
 ) -> EmbeddedNats:
     """Start nats-server with JetStream on a free loopback port; return once it accepts clients.
 
     `auth` is the accounts and users block (`servicekit.natsconf.accounts_block`); the
-    config holding it is written readable by its owner only.
+    config holding it is written readable by its owner only. `listen` names the port
+    instead (a server restarted where its clients reconnect); `jetstream=False` serves
+    core NATS only (a node whose JetStream is not back yet).
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     store_dir = state_dir / "nats"
@@ -76,10 +82,10 @@ def start_nats(
         stale.unlink()
     config = state_dir / "nats.conf"
     settings: dict[str, Any] = {
-        "listen": "127.0.0.1:-1",
+        "listen": listen,
         "max_payload": max_payload_mb * 1024 * 1024,
         "ports_file_dir": str(ports_dir),
-        "jetstream": {"store_dir": str(store_dir)},
+        **({"jetstream": {"store_dir": str(store_dir)}} if jetstream else {}),
         **(auth or {}),
     }
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -44,3 +44,7 @@ class ServiceSettings(BaseSettings):
     # 127.0.0.1 by default; a pod sets 0.0.0.0 so that Prometheus and the probes reach it.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # How long a service waits out a dependency that is restarting (no responders,
+    # timeouts, `unavailable` replies) before it reports the outage (issue 13): about
+    # as long as a person waits for an answer.
+    dependency_wait_seconds: float = 60.0

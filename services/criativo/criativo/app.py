@@ -29,7 +29,13 @@ async def main(settings: CriativoSettings | None = None) -> None:
             in_progress_wait_seconds=settings.turn_in_progress_wait_seconds,
         )
         work = SessionWork(
-            rt.nc, rt.pool, SessionLogClient(rt.nc), leases, turns, settings.crash_limit
+            rt.nc,
+            rt.pool,
+            SessionLogClient(rt.nc),
+            leases,
+            turns,
+            settings.crash_limit,
+            settings.dependency_wait_seconds,
         )
         actors = Actors(work, settings.idle_seconds)
         rt.relay(OfferSender(rt.nc), "offer-relay")

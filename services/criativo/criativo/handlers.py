@@ -11,18 +11,25 @@ so the decision is taken on the log as it stands, not on what this replica last 
   past an expired lease leave one answer and one artifact per tool call;
 - a readiness confirmation gets the consolidation turn, the brief and the offer;
 - an input is acted on only when the log confirms it (same id, type, session, actor,
-  payload): a forged copy on the bus is acknowledged and ignored.
+  payload): a forged copy on the bus is acknowledged and ignored;
+- a dependency that is restarting is a wait, not a crash (issue 13): a turn metering
+  cannot take is asked again with backoff for `dependency_wait_seconds`, then the
+  message gets an `agent.error` coded `dependency_unavailable` (send it again) and the
+  session goes on; the log being away is waited for the same way, then the input is
+  retried by redelivery. Neither counts toward the crash limit, kept for real faults.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from uuid import UUID
 
 import asyncpg
 from nats.aio.client import Client
 
 from contracts import subjects
+from contracts.common import ErrorCode
 from contracts.criativo import AgentDone
 from contracts.events import (
     AgentError,
@@ -37,7 +44,9 @@ from criativo.turns import TurnFailed, TurnOutcome, Turns, consolidation_turn_id
 from domain import criativo as rules
 from domain.criativo import Action, Conversation
 from servicekit import provenance
+from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
+from servicekit.patience import Patience, is_unavailable
 from servicekit.sessionlog import SessionClosed, SessionLogClient, SessionNotFound
 
 log = get_logger(__name__)
@@ -57,6 +66,7 @@ class SessionWork:
         leases: SessionLeases,
         turns: Turns,
         crash_limit: int,
+        dependency_wait_seconds: float = 60.0,
     ) -> None:
         self._nc = nc
         self._pool = pool
@@ -64,6 +74,10 @@ class SessionWork:
         self._leases = leases
         self._turns = turns
         self._crash_limit = crash_limit
+        # One per dependency: giving up on metering (the message gets its agent.error)
+        # is a success of the log's work, and must not make metering look back.
+        self._metering = Patience(dependency_wait_seconds)
+        self._log_patience = Patience(dependency_wait_seconds)
 
     async def catch_up(self, conv: Conversation) -> Conversation:
         """The conversation with every event the log has past what `conv` saw.
@@ -91,11 +105,16 @@ class SessionWork:
         return await provenance.confirm(self._nc, event, consumer=CONSUMER) is not None
 
     async def handle(self, conv: Conversation, event: Event, deliveries: int) -> Conversation:
-        """Handle one input; after `crash_limit` failed deliveries, end the session."""
+        """Handle one input; after `crash_limit` failed deliveries, end the session.
+
+        The log (or the bus) being away is waited for, then the input fails without
+        ending anything: its redelivery tries again later."""
         try:
-            return await self._handle(conv, event)
+            return await self._log_patience.retry(
+                lambda: self._handle(conv, event), f"{event.type.value} {event.id}"
+            )
         except Exception as exc:
-            if deliveries < self._crash_limit:
+            if is_unavailable(exc) or deliveries < self._crash_limit:
                 raise
             # Never end a session on the word of a copy the log does not hold.
             if await provenance.confirm(self._nc, event, consumer=CONSUMER) is None:
@@ -143,19 +162,41 @@ class SessionWork:
                 )
                 return appended.event_id
 
-            run = self._turns.criativo(conv, message_id, record)
+            def run() -> Awaitable[TurnOutcome]:
+                return self._turns.criativo(conv, message_id, record)
         elif action is Action.ANSWER_PLAINLY:
             agent = rules.PLAIN_CHAT
-            run = self._turns.plain(conv, message_id, said.text)
+
+            def run() -> Awaitable[TurnOutcome]:
+                return self._turns.plain(conv, message_id, said.text)
         else:
             return conv
         try:
-            outcome = await run
+            outcome = await self._patiently(run, f"turn for {message_id}")
         except TurnFailed as exc:
             await self._failed(conv, agent, message_id, exc)
         else:
             await self._respond(conv, agent, message_id, outcome)
         return await self.catch_up(conv)
+
+    async def _patiently(self, run: Callable[[], Awaitable[TurnOutcome]], what: str) -> TurnOutcome:
+        """The turn, waited for while metering restarts (its turn ids make a retried turn
+        replay what already ran); still away after the wait, it fails as unavailable."""
+
+        async def attempt() -> TurnOutcome:
+            try:
+                return await run()
+            except TurnFailed as exc:  # metering's own store away: a wait as well
+                if exc.code != ErrorCode.UNAVAILABLE:
+                    raise
+                raise CommandFailed(exc.code, exc.message) from exc
+
+        try:
+            return await self._metering.retry(attempt, what)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            raise TurnFailed(ErrorCode.DEPENDENCY_UNAVAILABLE, repr(exc), []) from exc
 
     async def _respond(
         self, conv: Conversation, agent: str, message_id: UUID, outcome: TurnOutcome
@@ -214,7 +255,10 @@ class SessionWork:
         action = rules.decide(conv, EventType.CRIATIVO_READINESS_CONFIRMED, readiness_id)
         if action is Action.CONSOLIDATE:
             try:
-                outcome = await self._turns.consolidate(conv, readiness_id, readiness.seq)
+                outcome = await self._patiently(
+                    lambda: self._turns.consolidate(conv, readiness_id, readiness.seq),
+                    f"consolidation for {readiness_id}",
+                )
             except TurnFailed as exc:
                 await self._failed(conv, rules.CRIATIVO, readiness_id, exc)
                 return await self.catch_up(conv)
