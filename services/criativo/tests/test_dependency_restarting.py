@@ -67,7 +67,7 @@ async def start_criativo(
 async def held_by_criativo(nc: Client) -> bool:
     """Criativo fetched an input and has not settled it (it is waiting on something)."""
     info = await nc.jetstream().consumer_info("EVENTS", CONSUMER)
-    return info.num_ack_pending > 0
+    return bool(info.num_ack_pending > 0)
 
 
 async def session_status(nc: Client, session: uuid.UUID) -> str:
