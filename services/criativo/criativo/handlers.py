@@ -16,7 +16,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from contracts import streams
-from contracts.events import Event, EventType
+from contracts.catalog import SESSION_CLOSINGS_FILTER
+from contracts.events import SESSION_CLOSINGS, Event, EventType
 from contracts.subjects import event_filter
 from criativo.actors import Actors
 from criativo.session import CONSUMER
@@ -34,16 +35,14 @@ INPUTS = [
     event_filter(EventType.CHAT_MESSAGE),
     event_filter(EventType.CRIATIVO_READINESS_CONFIRMED),
     event_filter(EventType.AGENT_ACTIVATED),
-    event_filter(EventType.SESSION_CLOSED),
-    event_filter(EventType.SESSION_CLOSED_ABNORMALLY),
+    *SESSION_CLOSINGS_FILTER,
 ]
 # Inputs that start or feed an actor; anything else on the subjects is acknowledged.
 ROUTED = frozenset(
     {
         EventType.CHAT_MESSAGE,
         EventType.CRIATIVO_READINESS_CONFIRMED,
-        EventType.SESSION_CLOSED,
-        EventType.SESSION_CLOSED_ABNORMALLY,
+        *SESSION_CLOSINGS,
     }
 )
 
