@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from contracts import streams, subjects
 from contracts.common import Message
-from contracts.events import EventType
+from contracts.events import SESSION_CLOSINGS, EventType
 from contracts.handoff import (
     AcceptReply,
     ActivateAgent,
@@ -207,6 +207,8 @@ SESSION_FEED = "*.*.*.*"
 CRIATIVO_INPUTS = Durable("criativo-inputs", streams.EVENTS.name)
 HANDOFF_CLOSINGS = Durable("handoff-session-closings", streams.EVENTS.name)
 PSYCHOLOGIST_CLOSINGS = Durable("psychologist-session-closings", streams.EVENTS.name)
+# What a consumer of closings filters on (`HANDOFF_CLOSINGS`, `PSYCHOLOGIST_CLOSINGS`).
+SESSION_CLOSINGS_FILTER = tuple(subjects.event_filter(t) for t in SESSION_CLOSINGS)
 CRIATIVO_LEASES = "criativo_leases"
 
 # Agents reach a provider only through metering (`cmd.llm.turn|stream`); a consumer

@@ -79,6 +79,15 @@ class EventType(StrEnum):
         return self.value.split(".", 1)[0]
 
 
+# The events that end a session, for every consumer that follows closings (handoff ends
+# activity, the psychologist analyses, Criativo evicts its actor). A tuple, so the
+# consumers' filter lists keep one order.
+SESSION_CLOSINGS: tuple[EventType, ...] = (
+    EventType.SESSION_CLOSED,
+    EventType.SESSION_CLOSED_ABNORMALLY,
+)
+
+
 # --- session lifecycle (written only by session_events itself) -------------
 
 

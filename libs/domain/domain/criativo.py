@@ -323,27 +323,6 @@ def check_artifact(raw: dict[str, Any], conv: Conversation) -> BusinessRule:
     return rule
 
 
-# --- after each model call of an answer ------------------------------------------
-
-# Metering's stop reason for a stream the person stopped (`cmd.llm.cancel`).
-CANCELLED = "cancelled"
-
-
-class NextStep(Enum):
-    """What an answer does after one model call."""
-
-    DONE = "done"  # the model finished: the answer is the text written so far
-    RUN_TOOLS = "run_tools"  # run the calls, send the results back, call again
-    STOPPED = "stopped"  # the person pressed Stop: end now, keep the text so far
-
-
-def after_call(stop_reason: str, tool_calls: int) -> NextStep:
-    """The step after a model call; a stopped call's tool calls never run (no artifact)."""
-    if stop_reason == CANCELLED:
-        return NextStep.STOPPED
-    return NextStep.RUN_TOOLS if tool_calls else NextStep.DONE
-
-
 # --- readiness: the consolidated brief ------------------------------------------
 
 _JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)

@@ -22,10 +22,8 @@ from domain.criativo import (
     Admission,
     Conversation,
     Inbound,
-    NextStep,
     Outcome,
     admit,
-    after_call,
     apply,
     brief_from_reply,
     check_artifact,
@@ -446,17 +444,3 @@ def test_admit_keeps_every_distinct_input_once_sorted(seqs: list[int]) -> None:
 )
 def test_readable_reason(code: str, words: str) -> None:
     assert words in readable_reason(code)
-
-
-@pytest.mark.parametrize(
-    ("stop_reason", "tool_calls", "step"),
-    [
-        ("end_turn", 0, NextStep.DONE),
-        ("max_tokens", 0, NextStep.DONE),
-        ("tool_use", 2, NextStep.RUN_TOOLS),
-        ("cancelled", 0, NextStep.STOPPED),
-        ("cancelled", 1, NextStep.STOPPED),  # cut mid tool call: nothing is recorded
-    ],
-)
-def test_after_call(stop_reason: str, tool_calls: int, step: NextStep) -> None:
-    assert after_call(stop_reason, tool_calls) is step

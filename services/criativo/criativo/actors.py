@@ -10,7 +10,7 @@ is queued behind it, never dropped and never merged into the running turn; a sec
 copy of an input already queued (a redelivery racing its first copy) shares the
 first copy's outcome. Different sessions' actors run concurrently.
 
-The kit's per-session subscription (`criativo.consumer`) already hands a session's
+The kit's per-session subscription (`criativo.handlers`) already hands a session's
 inputs over one at a time, in stream order; the mailbox keeps the policy true for any
 caller of `post`, and keeps the conversation between inputs.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from contracts.events import Event
-from criativo.handlers import SessionWork
+from criativo.session import SessionWork
 from domain import criativo as rules
 from domain.criativo import Admission, Conversation, Inbound
 from servicekit.logs import get_logger

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from criativo.actors import Actors
-from criativo.consumer import SERVICE, CriativoSettings, inputs_spec, svc
-from criativo.handlers import SessionWork
+from criativo.handlers import SERVICE, CriativoSettings, inputs_spec, svc
 from criativo.lease import SessionLeases
 from criativo.offers import OfferSender
+from criativo.session import SessionWork
 from criativo.turns import Turns
 from harness import MeteringClient
 from servicekit.runtime import run_service

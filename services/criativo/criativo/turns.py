@@ -7,7 +7,7 @@ metering only).
   refused rule is corrected on the next call. The person sees every call's text.
   A call the person stopped (`stop_reason` "cancelled", from `cmd.llm.cancel`) ends
   the answer at once: its tool calls never run, and the answer is the text written
-  so far, marked stopped (the rule of `domain.criativo.after_call`, kept by the loop).
+  so far, marked stopped (the rule is the harness `ToolLoop`'s, kept there only).
 - `plain`: the chat of sessions without Criativo (DESIGN.md flow 1): one streaming,
   stateless call with the current message only, agent slug `chat`.
 - `consolidate`: the brief after readiness, one streaming call with no tools — the

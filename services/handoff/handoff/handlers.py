@@ -6,7 +6,8 @@ from __future__ import annotations
 from nats.aio.client import Client
 
 from contracts import streams, subjects
-from contracts.events import Event, EventType
+from contracts.catalog import SESSION_CLOSINGS_FILTER
+from contracts.events import SESSION_CLOSINGS, Event
 from contracts.handoff import (
     AcceptReply,
     ActivateAgent,
@@ -22,7 +23,6 @@ from contracts.handoff import (
     OfferManyReply,
     OfferReply,
 )
-from contracts.subjects import event_filter
 from domain.handoff import catalogue_agent, check_handoff_target
 from handoff import lifecycle
 from handoff.directory import SessionDirectory
@@ -110,15 +110,11 @@ async def active(cmd: ActiveAgents, repo: HandoffRepository) -> ActiveAgentsRepl
     return ActiveAgentsReply(activations=await repo.active_in_project(cmd.project_id))
 
 
-CLOSING_TYPES = frozenset({EventType.SESSION_CLOSED, EventType.SESSION_CLOSED_ABNORMALLY})
 CONSUMER = "handoff-session-closings"
 CLOSINGS = ConsumerSpec(
     durable=CONSUMER,
     stream=streams.EVENTS.name,
-    filter_subjects=[
-        event_filter(EventType.SESSION_CLOSED),
-        event_filter(EventType.SESSION_CLOSED_ABNORMALLY),
-    ],
+    filter_subjects=list(SESSION_CLOSINGS_FILTER),
 )
 
 
@@ -130,7 +126,7 @@ async def session_closed(event: Event, repo: HandoffRepository, nc: Client) -> N
     ignored (`servicekit.provenance`), as is a real event of another type replayed on a
     closing subject.
     """
-    if event.type not in CLOSING_TYPES or await confirm(nc, event, consumer=CONSUMER) is None:
+    if event.type not in SESSION_CLOSINGS or await confirm(nc, event, consumer=CONSUMER) is None:
         return
     async with repo.transaction() as tx:
         await tx.lock_session(event.session_id)

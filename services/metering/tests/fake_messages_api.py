@@ -1,179 +1,48 @@
-"""A local fake of the Anthropic Messages API: HTTP/1.1 and SSE on loopback, plain asyncio.
+"""A local fake of the Anthropic Messages API, on `metering.fakes` (the twin of
+`metering.fake_chat_api`).
 
-Each request to `POST /v1/messages` takes the next `Reply` from the queue: a JSON
-body (any status, any headers such as `retry-after`), or an SSE stream of events
-that may end normally, drop the connection, hold until the client goes away, or
-slow down after some events (`pace_after`) like a long answer being written, and
-stop as soon as the client closes the connection. `events_sent` then tells how many
-events the client was given before it left: fewer than the reply had means the
-client closed the connection rather than draining it.
-Requests are recorded (headers and parsed body) for the tests to inspect. The
-official SDK is pointed at it through `base_url`, so its real code paths run.
+Each request to `POST /v1/messages` takes the next `Reply` from the queue (a 500
+`api_error` when it is empty): a JSON body, or an SSE stream of named events that may
+end normally, drop the connection, hold until the client goes away, or slow down
+after some events (`pace_after`) and stop as soon as the client closes the
+connection. `events_sent` tells how many events each stream gave before it ended.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-REASONS = {200: "OK", 400: "Bad Request", 429: "Too Many Requests", 500: "Internal Server Error",
-           529: "Overloaded"}  # fmt: skip
+from metering.fakes import FakeSseServer, ScriptedReply, sse_frame
+
 MODEL = "claude-sonnet-4-6"
 
 Event = tuple[str, dict[str, Any]]
 
 
 @dataclass
-class Reply:
+class Reply(ScriptedReply):
     """One scripted response."""
 
-    status: int = 200
-    headers: dict[str, str] = field(default_factory=dict)
-    body: dict[str, Any] | None = None  # a JSON response
     events: list[Event] | None = None  # an SSE response
-    drop_after: int | None = None  # close the socket abruptly after this many events
-    hold_after: int | None = None  # after this many events, wait for the client to leave
-    # After this many events, wait `pace_seconds` before each next one, and stop sending
-    # when the client closes the connection (a long answer, slow enough to cancel).
-    pace_after: int | None = None
-    pace_seconds: float = 0.05
 
 
-@dataclass
-class Recorded:
-    """A request as the fake received it."""
-
-    path: str
-    headers: dict[str, str]
-    body: dict[str, Any]
-
-
-class FakeMessagesApi:
+class FakeMessagesApi(FakeSseServer[Reply]):
     """The server; `base_url` once started."""
 
-    def __init__(self) -> None:
-        self.replies: list[Reply] = []
-        self.requests: list[Recorded] = []
-        self.client_left = asyncio.Event()
-        # per SSE reply, in order: how many of its events were written before it ended
-        self.events_sent: list[int] = []
-        self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
-
     @property
-    def base_url(self) -> str:
-        assert self._server is not None
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
+    def events_sent(self) -> list[int]:
+        """Per stream, in order: how many of its events were written before it ended."""
+        return self.frames_sent
 
-    async def start(self) -> FakeMessagesApi:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)  # a free port
-        return self
+    def _next_reply(self, body: dict[str, Any]) -> Reply:
+        return self.replies.pop(0) if self.replies else Reply(500, body=_error("api_error"))
 
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._handlers):
-            task.cancel()
-        with contextlib.suppress(Exception):
-            await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        try:
-            while await self._one_request(reader, writer):
-                pass
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass  # the client went away, or the fake is stopping
-        finally:
-            self._handlers.discard(task)
-            with contextlib.suppress(Exception):
-                writer.close()
-
-    async def _one_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
-        """Answer one request; False when the connection is over."""
-        head = await reader.readuntil(b"\r\n\r\n")
-        request_line, *header_lines = head.decode("latin-1").split("\r\n")
-        _, path, _ = request_line.split(" ", 2)
-        headers = {}
-        for line in header_lines:
-            if ":" in line:
-                name, value = line.split(":", 1)
-                headers[name.strip().lower()] = value.strip()
-        raw = await reader.readexactly(int(headers.get("content-length", "0")))
-        self.requests.append(Recorded(path, headers, json.loads(raw) if raw else {}))
-        reply = self.replies.pop(0) if self.replies else Reply(500, body=_error("api_error"))
+    def _frames(self, reply: Reply) -> list[bytes] | None:
         if reply.events is None:
-            body = json.dumps(reply.body or {}).encode()
-            extra = "".join(f"{k}: {v}\r\n" for k, v in reply.headers.items())
-            status = f"HTTP/1.1 {reply.status} {REASONS.get(reply.status, 'Status')}\r\n"
-            length = f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            writer.write(f"{status}{length}{extra}\r\n".encode() + body)
-            await writer.drain()
-            return True
-        # Chunked, as the real API streams: a connection cut before the last chunk is
-        # then a broken body to the client, not a normal end.
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-            b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
-        )
-        left = asyncio.Event()
-        watcher = asyncio.create_task(self._watch_eof(reader, left))
-        try:
-            sent = await self._send_events(reply, writer, left)
-        finally:
-            watcher.cancel()
-        self.events_sent.append(sent)
-        if sent < len(reply.events):
-            return False
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        writer.close()
-        return False
-
-    async def _send_events(
-        self, reply: Reply, writer: asyncio.StreamWriter, left: asyncio.Event
-    ) -> int:
-        """Write the reply's events; returns how many went out before it stopped."""
-        assert reply.events is not None
-        for i, (name, data) in enumerate(reply.events):
-            if reply.drop_after is not None and i == reply.drop_after:
-                writer.transport.abort()  # no final chunk: the client sees a broken stream
-                return i
-            if reply.hold_after is not None and i == reply.hold_after:
-                await writer.drain()
-                await left.wait()  # the client closed its side
-                self.client_left.set()
-                return i
-            if reply.pace_after is not None and i >= reply.pace_after:
-                # The pace of a slow answer, not a synchronisation: the wait ends early
-                # when the client leaves.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(left.wait(), reply.pace_seconds)
-                if left.is_set():
-                    self.client_left.set()
-                    return i
-            chunk = f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
-            writer.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-            await writer.drain()
-        return len(reply.events)
-
-    @staticmethod
-    async def _watch_eof(reader: asyncio.StreamReader, left: asyncio.Event) -> None:
-        """Set `left` when the client closes the connection (EOF or reset)."""
-        try:
-            while await reader.read(65536):
-                pass
-        except ConnectionError:
-            pass
-        left.set()
+            return None
+        return [sse_frame(json.dumps(data), event=name) for name, data in reply.events]
 
 
 # --- building replies --------------------------------------------------------

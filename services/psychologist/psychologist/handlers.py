@@ -12,8 +12,9 @@ from nats.aio.client import Client
 from pydantic import Field
 
 from contracts import streams, subjects
+from contracts.catalog import SESSION_CLOSINGS_FILTER
 from contracts.common import ErrorCode
-from contracts.events import Event, EventType
+from contracts.events import SESSION_CLOSINGS, Event
 from contracts.psychologist import (
     AnalysisOutcome,
     HypothesesReply,
@@ -23,7 +24,6 @@ from contracts.psychologist import (
     ListHypotheses,
     Reanalyze,
 )
-from contracts.subjects import event_filter
 from domain.errors import DomainError
 from domain.psychologist import HypothesisStatus
 from psychologist import lifecycle
@@ -112,7 +112,6 @@ async def list_hypotheses(cmd: ListHypotheses, repo: PsychologistRepository) -> 
     )
 
 
-CLOSINGS = frozenset({EventType.SESSION_CLOSED, EventType.SESSION_CLOSED_ABNORMALLY})
 CONSUMER = "psychologist-session-closings"
 
 
@@ -121,10 +120,7 @@ def closings_spec(settings: PsychologistSettings) -> ConsumerSpec:
     return ConsumerSpec(
         durable=CONSUMER,
         stream=streams.EVENTS.name,
-        filter_subjects=[
-            event_filter(EventType.SESSION_CLOSED),
-            event_filter(EventType.SESSION_CLOSED_ABNORMALLY),
-        ],
+        filter_subjects=list(SESSION_CLOSINGS_FILTER),
         max_deliver=MAX_DELIVER,
         backoff=list(settings.redelivery_backoff),
         batch=1,
@@ -151,7 +147,7 @@ async def session_closed(
     if await repo.already_analyzed(event.session_id):
         log.info("already_analyzed", session_id=str(event.session_id))
         return
-    if event.type not in CLOSINGS or await confirm(nc, event, consumer=CONSUMER) is None:
+    if event.type not in SESSION_CLOSINGS or await confirm(nc, event, consumer=CONSUMER) is None:
         return
     prepared = await analyst.prepare(event.session_id, "auto")
     try:
