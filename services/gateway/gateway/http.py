@@ -133,11 +133,13 @@ def timed(
 
     async def observed(request: Request) -> Response:
         started = time.perf_counter()
-        response = await endpoint(request)
-        HTTP_SECONDS.labels(route, method, str(response.status_code)).observe(
-            time.perf_counter() - started
-        )
-        return response
+        status = "500"  # what Starlette answers if the endpoint raises
+        try:
+            response = await endpoint(request)
+            status = str(response.status_code)
+            return response
+        finally:
+            HTTP_SECONDS.labels(route, method, status).observe(time.perf_counter() - started)
 
     return observed
 
