@@ -1,30 +1,39 @@
-"""Every service but the gateway, as real processes, scraped after one chat turn with
-Criativo (issue 14): each answers `/livez` and `/readyz`, and its `/metrics` holds the
-series of what happened, with the values the store and the bus agree on — the LLM
-series equal to the `token_usage` rows, the commands each service answered, Criativo's
-live actor, the consumers' deliveries, the outboxes drained, `$SRV.STATS` errors."""
+"""Every service, as real processes, scraped after one chat turn with Criativo made by a
+person through the gateway's HTTP API and WebSocket (issue 14): each answers `/livez`
+and `/readyz`, and its `/metrics` holds the series of what happened, with the values the
+store, the bus and the client agree on — the LLM series equal to the `token_usage` rows,
+the commands each service answered, Criativo's live actor, the consumers' deliveries,
+the outboxes drained, `$SRV.STATS` errors, and the gateway's connection, the frames the
+client sent and received, no error frame and no slow-client close."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import httpx
 from nats.aio.client import Client
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 from contracts import subjects
 from contracts.events import EventType
-from contracts.handoff import ActivateAgent, ActivationReply
-from contracts.session_events import AppendedReply, AppendEvent, OpenSession, SessionOpenedReply
-from servicekit.client import call
-from servicekit.testing import log_events, wait_for
+from gateway.auth import mint
+from servicekit.testing import wait_for
 
-SERVICES = ["session_events", "handoff", "metering", "criativo", "psychologist"]
+SERVICES = ["session_events", "handoff", "metering", "criativo", "psychologist", "gateway"]
 PROJECT = f"p-metrics-{uuid.uuid4().hex[:6]}"
+SECRET = "metrics-secret-" + "x" * 40
 FAST = {"AGENTBUS_OUTBOX_POLL_SECONDS": "0.2"}
+# Any free port for the gateway's HTTP and WebSocket; its URL is read from its log.
+GATEWAY = {"AGENTBUS_GATEWAY_PORT": "0", "AGENTBUS_GATEWAY_SECRET": SECRET}
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -54,37 +63,68 @@ async def metrics_url(nc: Client, service: str) -> str:
     return url
 
 
-async def chat_turn(nc: Client) -> uuid.UUID:
-    opened = await call(
-        nc,
-        subjects.SESSIONS_OPEN,
-        OpenSession(project_id=PROJECT, opened_by="user:ana"),
-        SessionOpenedReply,
-    )
-    session = opened.session_id
-    await call(
-        nc,
-        subjects.AGENTS_ACTIVATE,
-        ActivateAgent(
-            project_id=PROJECT, session_id=session, agent="criativo", via="user", actor="user:ana"
-        ),
-        ActivationReply,
-    )
-    await call(
-        nc,
-        subjects.EVENTS_APPEND,
-        AppendEvent(
-            session_id=session,
-            type=EventType.CHAT_MESSAGE.value,
-            actor="user:ana",
-            payload={"text": "uma loja de bicicletas"},
-        ),
-        AppendedReply,
-    )
+def gateway_url(log_path: Path) -> str | None:
+    """The URL the gateway announced in its (JSON) log, once it listens."""
+    for line in log_path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if entry.get("event") == "gateway_listening":
+                url: str = entry["url"]
+                return url
+    return None
+
+
+class Person:
+    """The web client's side of the turn: HTTP for the session, one WebSocket for the rest,
+    every frame it received kept in order."""
+
+    def __init__(self, url: str, ws: ClientConnection) -> None:
+        self.url = url
+        self.ws = ws
+        self.sent: Counter[str] = Counter()
+        self.frames: list[dict[str, Any]] = []
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in self.ws:
+                self.frames.append(json.loads(raw))
+
+    def received(self) -> Counter[str]:
+        return Counter(f["type"] for f in self.frames)
+
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """Send `frame`; its `ack` (an `error` fails the test)."""
+        ref = uuid.uuid4().hex
+        await self.ws.send(json.dumps({**frame, "ref": ref}))
+        self.sent[frame["type"]] += 1
+        answer: dict[str, Any] = await wait_for(
+            lambda: next((f for f in self.frames if f.get("ref") == ref), None),
+            what=f"the answer to {frame['type']}",
+        )
+        assert answer["type"] == "ack", answer
+        return answer
+
+    def event_types(self) -> list[str]:
+        return [f["event"]["type"] for f in self.frames if f["type"] == "event"]
+
+
+async def chat_turn(person: Person) -> uuid.UUID:
+    """Open a session over HTTP, then join, start Criativo and chat over the WebSocket."""
+    token = mint(SECRET, PROJECT, "ana")
+    async with httpx.AsyncClient(base_url=person.url, timeout=30) as http:
+        opened = await http.post(
+            f"/api/projects/{PROJECT}/sessions", headers={"authorization": f"Bearer {token}"}
+        )
+    assert opened.status_code == 201, opened.text
+    session = uuid.UUID(opened.json()["session_id"])
+    await person.request({"type": "join", "session_id": str(session)})
+    await person.request({"type": "start_agent", "agent": "criativo"})
+    await person.request({"type": "chat", "text": "uma loja de bicicletas", "client_msg_id": "m1"})
     await wait_for(
-        lambda: log_events(nc, session, EventType.AGENT_RESPONSE.value),
+        lambda: EventType.AGENT_RESPONSE.value in person.event_types(),
         timeout=60,
-        what="Criativo's answer in the log",
+        what="Criativo's answer relayed to the person",
     )
     return session
 
@@ -92,10 +132,16 @@ async def chat_turn(nc: Client) -> uuid.UUID:
 async def test_every_service_serves_the_series_of_a_chat_turn(
     spawn: Any, nc: Client, database_url: str
 ) -> None:
-    processes = [(spawn(name, **FAST), name) for name in SERVICES]
-    for process, name in processes:
+    processes = {
+        name: spawn(name, **FAST, **(GATEWAY if name == "gateway" else {})) for name in SERVICES
+    }
+    for name, process in processes.items():
         await process.wait_ready(nc, name)
-    await chat_turn(nc)
+    url = await wait_for(lambda: gateway_url(processes["gateway"].log_path), what="gateway's URL")
+    token = mint(SECRET, PROJECT, "ana")
+    ws = await connect(url.replace("http://", "ws://") + f"/ws?token={token}", max_size=None)
+    person = Person(url, ws)
+    await chat_turn(person)
     refused = await nc.request(subjects.EVENTS_APPEND, b"{oops", timeout=5)
     assert refused.headers and refused.headers["Nats-Service-Error-Code"] == "malformed_json"
 
@@ -206,3 +252,54 @@ async def test_every_service_serves_the_series_of_a_chat_turn(
     stats = json.loads((await nc.request("$SRV.STATS.session_events", b"", timeout=5)).data)
     [append] = [e for e in stats["endpoints"] if e["subject"] == subjects.EVENTS_APPEND]
     assert append["num_errors"] == 1 and append["num_requests"] >= 2
+
+    # the gateway: the person's connection open and joined, the frames it sent counted by
+    # type, the session opened over HTTP, no error frame, no slow-client close
+    gateway = scraped["gateway"]
+    assert sample(gateway, "agentbus_gateway_ws_connections") == 1
+    assert sample(gateway, "agentbus_gateway_ws_joined_sessions") == 1
+    received = matching(gateway, "agentbus_gateway_ws_frames_received_total")
+    assert {dict(lbl)["type"]: v for lbl, v in received.items()} == person.sent
+    assert person.sent == {"join": 1, "start_agent": 1, "chat": 1}
+    assert not any(matching(gateway, "agentbus_gateway_ws_error_frames_total").values())
+    assert sample(gateway, "agentbus_gateway_ws_slow_client_closes_total") == 0
+    opened = sample(
+        gateway,
+        "agentbus_gateway_http_request_duration_seconds_count",
+        route="/api/projects/{project}/sessions",
+        method="POST",
+        status="201",
+    )
+    assert opened == 1
+    gateway_metrics = await metrics_url(nc, "gateway")
+
+    async def gateway_now() -> Samples:
+        async with httpx.AsyncClient(timeout=10) as http:
+            return parse((await http.get(f"{gateway_metrics}/metrics")).text)
+
+    async def sent_as_received() -> Samples | None:
+        """The gateway's scrape once every frame it counted has reached the person (frames
+        of the session may still be on their way: events after the answer, a `done`)."""
+        now = await gateway_now()
+        sent = matching(now, "agentbus_gateway_ws_frames_sent_total")
+        by_type = {dict(lbl)["type"]: v for lbl, v in sent.items() if v}
+        return now if by_type == person.received() else None
+
+    settled: Samples = await wait_for(sent_as_received, what="the frames sent, all received")
+    assert sample(settled, "agentbus_gateway_ws_frames_sent_total", type="ack") == 3
+    assert sample(settled, "agentbus_gateway_ws_frames_sent_total", type="delta") >= 1
+    assert sample(settled, "agentbus_gateway_ws_frames_sent_total", type="error") == 0
+    assert person.received()["error"] == 0
+
+    # the person leaves: no connection, no joined session
+    await ws.close()
+    await person.reader
+
+    async def left() -> bool:
+        now = await gateway_now()
+        return (
+            sample(now, "agentbus_gateway_ws_connections") == 0
+            and sample(now, "agentbus_gateway_ws_joined_sessions") == 0
+        )
+
+    await wait_for(left, what="the gateway's gauges back to 0 after the close")

@@ -1,7 +1,8 @@
 """deploy/monitoring, offline: the Prometheus alert rules and the Grafana dashboard parse,
 have the shape their tools load, every PromQL expression is valid (promql-parser), and
 every series they name is one the services export (servicekit.metrics, metering's LLM
-series, Criativo's actors) — so a renamed metric cannot leave a silent alert behind."""
+series, Criativo's actors, the gateway's WebSocket and HTTP series) — so a renamed metric
+cannot leave a silent alert behind."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import criativo.actors
+import gateway.metrics
 import metering.turns
 import servicekit.metrics
 
@@ -32,12 +34,15 @@ REQUIRED_ALERTS = {
     "AgentbusConsumerLagGrowing",
     "AgentbusProviderErrorRate",
     "AgentbusBudgetExhaustion",
+    "AgentbusSlowClientClosesRising",
 }
 
 
 def exported() -> set[str]:
     """Every series name the services' code registers (labelled or not)."""
-    assert servicekit.metrics and metering.turns and criativo.actors  # imported to register
+    assert (
+        servicekit.metrics and metering.turns and criativo.actors and gateway.metrics
+    )  # registered
     names: set[str] = set()
     for family in REGISTRY.collect():
         if family.name.startswith("agentbus_"):

@@ -8,6 +8,7 @@ expects (`STATUS`).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ from contracts.session_events import EventsReply, ListEvents
 from domain.errors import DomainError
 from gateway.access import own_session
 from gateway.auth import Principal, require_project, verify
+from gateway.metrics import HTTP_SECONDS
 from gateway.settings import offline_model
 from gateway.views import sessions_of
 from gateway.ws import Hub
@@ -121,6 +123,25 @@ def guarded(
             return _json(body, status_of(exc.code))
 
     return endpoint
+
+
+def timed(
+    route: str, method: str, endpoint: Callable[[Request], Awaitable[Response]]
+) -> Callable[[Request], Awaitable[Response]]:
+    """`endpoint`, its latency observed by route template (never the concrete path, whose
+    ids would make a series per session) and status."""
+
+    async def observed(request: Request) -> Response:
+        started = time.perf_counter()
+        status = "500"  # what Starlette answers if the endpoint raises
+        try:
+            response = await endpoint(request)
+            status = str(response.status_code)
+            return response
+        finally:
+            HTTP_SECONDS.labels(route, method, status).observe(time.perf_counter() - started)
+
+    return observed
 
 
 def _uuid(request: Request, name: str) -> uuid.UUID:
@@ -246,7 +267,8 @@ def routes(hub: Hub) -> list[Route]:
     base = "/api/projects/{project}"
 
     def route(path: str, handler: Handler, method: str = "GET", status: int = 200) -> Route:
-        return Route(base + path, guarded(hub, handler, status), methods=[method])
+        endpoint = timed(base + path, method, guarded(hub, handler, status))
+        return Route(base + path, endpoint, methods=[method])
 
     return [
         route("", whoami),

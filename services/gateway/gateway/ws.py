@@ -26,6 +26,14 @@ from gateway.actions import SessionActions
 from gateway.auth import Principal, verify
 from gateway.bus import Commands
 from gateway.feed import SessionFeed
+from gateway.metrics import (
+    WS_CONNECTIONS,
+    WS_ERROR_FRAMES,
+    WS_JOINED_SESSIONS,
+    WS_SLOW_CLIENT_CLOSES,
+    frame_received,
+    frame_sent,
+)
 from gateway.presence import Presence
 from gateway.ratelimit import TokenBucket
 from gateway.settings import GatewaySettings
@@ -75,8 +83,14 @@ class Connection:
             self._outgoing.put_nowait(json.dumps(frame, separators=(",", ":")))
         except asyncio.QueueFull:
             self._closing = True
+            WS_SLOW_CLIENT_CLOSES.inc()
             log.warning("client_too_slow", user=self._principal.user, queued=self._outgoing.qsize())
             await self._ws.close(CLOSE_TOO_SLOW)
+            return
+        kind = frame.get("type")
+        frame_sent(kind if isinstance(kind, str) else "unknown")
+        if kind == "error":
+            WS_ERROR_FRAMES.labels(str(frame.get("code"))).inc()
 
     async def _write(self) -> None:
         try:
@@ -88,6 +102,7 @@ class Connection:
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write())
+        WS_CONNECTIONS.inc()
         try:
             while True:
                 message = await self._ws.receive()
@@ -101,11 +116,13 @@ class Connection:
         except WebSocketDisconnect:
             return
         finally:
+            WS_CONNECTIONS.dec()
             writer.cancel()
             await self._leave()
 
     async def _frame(self, raw: str) -> None:
         ref: str | None = None
+        kind = "rejected"  # until it validates as a frame
         try:
             if len(raw.encode()) > self._hub.settings.max_frame_bytes:
                 raise DomainError(
@@ -129,6 +146,7 @@ class Connection:
                     for e in exc.errors(include_url=False, include_input=False)
                 )
                 raise DomainError(ErrorCode.INVALID_REQUEST, f"invalid frame: {problems}") from None
+            kind = frame.type
             result = await self._dispatch(frame)
             ack = AckFrame(
                 of=frame.type,
@@ -139,6 +157,8 @@ class Connection:
             await self.send(ack.model_dump(mode="json"))
         except DomainError as exc:
             await self.send(ErrorFrame(code=exc.code, message=exc.message, ref=ref).model_dump())
+        finally:
+            frame_received(kind)
 
     async def _dispatch(self, frame: Any) -> dict[str, Any]:
         if isinstance(frame, Join):
@@ -162,6 +182,7 @@ class Connection:
         )
         await feed.start(frame.after_seq)
         self._feed = feed
+        WS_JOINED_SESSIONS.inc()
         self._actions = SessionActions(
             hub.commands, hub.session_log, self._principal, frame.session_id
         )
@@ -174,6 +195,7 @@ class Connection:
         feed, self._feed, self._actions = self._feed, None, None
         present, self._present = self._present, None
         if feed is not None:
+            WS_JOINED_SESSIONS.dec()
             await feed.close()
         if present is not None:
             await self._hub.presence.leave(present)
@@ -186,6 +208,8 @@ async def websocket_endpoint(hub: Hub, ws: WebSocket) -> None:
         principal = verify(hub.secret, ws.query_params.get("token"))
     except DomainError as exc:
         await ws.send_text(ErrorFrame(code=exc.code, message=exc.message).model_dump_json())
+        frame_sent("error")
+        WS_ERROR_FRAMES.labels(exc.code).inc()
         await ws.close(CLOSE_UNAUTHORIZED)
         return
     await Connection(hub, ws, principal).serve()

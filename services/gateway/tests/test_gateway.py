@@ -16,9 +16,13 @@ from contracts.gateway import DeltaFrame
 from contracts.session_events import AppendedReply, AppendEvent, SessionRef, SessionView
 from gateway.auth import mint
 from servicekit.client import call
+from servicekit.metrics import value
 from servicekit.testing import wait_for
 
 from .conftest import Gateway
+
+ERROR_FRAMES = "agentbus_gateway_ws_error_frames_total"
+RECEIVED = "agentbus_gateway_ws_frames_received_total"
 
 
 async def _say(nc: Client, session_id: uuid.UUID, text: str) -> int:
@@ -108,14 +112,19 @@ def httpx_without_token(gateway: Gateway, token: str | None = None) -> Any:
 
 
 async def test_a_bad_token_closes_the_websocket(gateway: Gateway) -> None:
+    refused = value(ERROR_FRAMES, code="unauthorized")
     client = await gateway.ws(token="not-a-token")
     await wait_for(lambda: client.reader is not None and client.reader.done())
     assert client.frames[0]["code"] == "unauthorized"
     assert client.ws.close_code == 4401
+    assert value(ERROR_FRAMES, code="unauthorized") == refused + 1
 
 
 async def test_malformed_oversized_and_flooding_frames_get_errors(gateway: Gateway) -> None:
     session_id = await gateway.open_session()
+    watched = ("malformed_json", "invalid_request", "payload_too_large", "rate_limited")
+    errors = {code: value(ERROR_FRAMES, code=code) for code in watched}
+    rejected, heartbeats = value(RECEIVED, type="rejected"), value(RECEIVED, type="heartbeat")
     client = await gateway.ws()
     await client.send("this is not json")
     await client.send(json.dumps({"type": "teleport", "ref": "t1"}))
@@ -126,6 +135,9 @@ async def test_malformed_oversized_and_flooding_frames_get_errors(gateway: Gatew
     await wait_for(lambda: len(client.of("error")) >= 4, what="four errors")
     codes = [f["code"] for f in client.of("error")]
     assert codes == ["malformed_json", "invalid_request", "invalid_request", "payload_too_large"]
+    for code, before in errors.items():  # each error frame counted by its code (issue 14)
+        assert value(ERROR_FRAMES, code=code) == before + codes.count(code), code
+    assert value(RECEIVED, type="rejected") == rejected + 4
     assert (await client.request({"type": "join", "session_id": str(session_id)}))["type"] == "ack"
 
     for i in range(120):
@@ -139,6 +151,10 @@ async def test_malformed_oversized_and_flooding_frames_get_errors(gateway: Gatew
     assert any(f["type"] == "error" and f["code"] == "rate_limited" for f in got)
     assert any(f["type"] == "ack" for f in got)
     assert not client.reader or not client.reader.done(), "the connection survived the flood"
+    limited = sum(f["type"] == "error" for f in got)
+    assert value(ERROR_FRAMES, code="rate_limited") == errors["rate_limited"] + limited
+    assert value(RECEIVED, type="rejected") == rejected + 4 + limited
+    assert value(RECEIVED, type="heartbeat") == heartbeats + 120 - limited
 
 
 @pytest.fixture

@@ -16,9 +16,13 @@ from domain.errors import DomainError
 from gateway.auth import mint
 from gateway.bus import Commands
 from gateway.http import status_of
+from servicekit.metrics import value
 from servicekit.testing import wait_for
 
 from .conftest import SECRET, Gateway, WsClient
+
+LATENCY = "agentbus_gateway_http_request_duration_seconds_count"
+ROUTE = "/api/projects/{project}"
 
 # An analysis is a tool loop through metering: slow on a loaded machine, never timed.
 ANALYSIS_TIMEOUT = 90.0
@@ -190,11 +194,19 @@ async def test_no_forged_or_expired_token_is_unauthorized(gateway: Gateway) -> N
         "forged": {"authorization": bearer(mint("another-" + "y" * 40, gateway.project, "ana"))},
         "expired": {"authorization": bearer(mint(SECRET, gateway.project, "ana", -60))},
     }
+    timed = {
+        (method, rest): value(LATENCY, route=ROUTE + rest, method=method, status="401")
+        for method, rest in [("GET", "/sessions"), ("POST", "/sessions"), ("GET", "/usage")]
+    }
     for name, headers in credentials.items():
         async with with_headers(gateway, **headers) as http:
-            for method, rest in [("GET", "/sessions"), ("POST", "/sessions"), ("GET", "/usage")]:
+            for method, rest in timed:
                 r = await http.request(method, path(gateway, rest))
                 assert refusal(r) == (401, "unauthorized"), (name, method, rest, r.text)
+    # each refusal timed under its route template and status (issue 14), no concrete path
+    for (method, rest), before in timed.items():
+        got = value(LATENCY, route=ROUTE + rest, method=method, status="401")
+        assert got == before + len(credentials), (method, rest)
     # the same token in the query is accepted (what the web client's link carries)
     async with with_headers(gateway) as http:
         r = await http.get(path(gateway), params={"token": gateway.token()})
