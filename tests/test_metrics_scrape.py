@@ -120,6 +120,13 @@ async def chat_turn(person: Person) -> uuid.UUID:
     session = uuid.UUID(opened.json()["session_id"])
     await person.request({"type": "join", "session_id": str(session)})
     await person.request({"type": "start_agent", "agent": "criativo"})
+    # `agent.activated` reaches the log through handoff's outbox: a message appended
+    # before it is (rightly) answered by the plain chat, which is not the turn measured.
+    await wait_for(
+        lambda: EventType.AGENT_ACTIVATED.value in person.event_types(),
+        timeout=30,
+        what="Criativo's activation in the log",
+    )
     await person.request({"type": "chat", "text": "uma loja de bicicletas", "client_msg_id": "m1"})
     await wait_for(
         lambda: EventType.AGENT_RESPONSE.value in person.event_types(),
