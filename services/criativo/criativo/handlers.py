@@ -20,7 +20,7 @@ from contracts.catalog import SESSION_CLOSINGS_FILTER
 from contracts.events import SESSION_CLOSINGS, Event, EventType
 from contracts.subjects import event_filter
 from criativo.actors import Actors
-from criativo.session import CONSUMER
+from criativo.session import CONSUMER as CONSUMER  # re-exported: the durable of this service
 from domain.criativo import CRIATIVO
 from servicekit.consumer import ConsumerSpec
 from servicekit.service import Attempt, Service
