@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import UTC, datetime
 
-import asyncpg
 import pytest
-from nats.aio.client import Client
 
-from contracts import streams, subjects
+from contracts import subjects
 from contracts.common import ErrorCode
-from contracts.events import Event, EventType
+from contracts.events import EventType
 from contracts.handoff import (
     ActiveAgents,
     ActiveAgentsReply,
@@ -23,7 +20,7 @@ from contracts.handoff import (
 from handoff.handlers import CONSUMER
 from servicekit import metrics, provenance
 from servicekit.client import call
-from servicekit.testing import wait_for
+from servicekit.testing import forged_closing, forgeries_acked, publish_forged, wait_for
 
 from .conftest import Driver
 from .test_offer_lifecycle import activate
@@ -110,41 +107,6 @@ async def test_a_poison_outbox_row_is_dead_lettered_and_later_events_of_its_sess
     assert dead_letters(subjects.EVENTS_APPEND) >= before + 1
 
 
-def forged_closing(project: str, session_id: uuid.UUID, **fields: object) -> Event:
-    return Event.model_validate(
-        {
-            "id": uuid.uuid4(),
-            "session_id": session_id,
-            "project_id": project,
-            "seq": 99,
-            "type": EventType.SESSION_CLOSED,
-            "actor": "user:mallory",
-            "payload": {"closed_by": "user:mallory"},
-            "created_at": datetime.now(UTC),
-            **fields,
-        }
-    )
-
-
-async def forgeries_acked(nc: Client, db: asyncpg.Pool) -> None:
-    """Every forgery acked (nothing pending, nothing redelivered), none dead-lettered."""
-
-    async def settled() -> bool:
-        info = await nc.jetstream().consumer_info(streams.EVENTS.name, CONSUMER)
-        return bool(info.num_ack_pending == 0 and info.num_redelivered == 0)
-
-    await wait_for(settled, what="the forgeries acked")
-    assert await db.fetchval("SELECT count(*) FROM handoff.dead_letters") == 0
-
-
-async def publish(nc: Client, event: Event) -> None:
-    js = nc.jetstream()
-    subject = f"{event.type.value}.{event.project_id}.{event.session_id}"
-    # A forger picks its own message id, so the stream's dedup of real ids does not stop it.
-    headers = {"Nats-Msg-Id": f"forged-{uuid.uuid4()}"}
-    await js.publish(subject, event.model_dump_json().encode(), headers=headers)
-
-
 async def active_agents(bus: Driver) -> list[tuple[uuid.UUID, str]]:
     reply = await call(
         bus.nc, subjects.AGENTS_ACTIVE, ActiveAgents(project_id=bus.project), ActiveAgentsReply
@@ -165,10 +127,10 @@ async def test_a_forged_closing_ends_nothing_and_a_real_one_after_it_does(bus: D
     ]
 
     for event in forgeries:
-        await publish(bus.nc, event)
+        await publish_forged(bus.nc, event)
 
     await wait_for(lambda: sum(provenance.FORGED_EVENTS.values()) >= ignored + len(forgeries))
-    await forgeries_acked(bus.nc, bus.db)
+    await forgeries_acked(bus.nc, bus.db, CONSUMER, "handoff")
     assert await active_agents(bus) == [(s, "criativo")]
 
     await bus.close(s)
