@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
 # Containers of docker-compose that are not agentbus services.
-COMPOSE_INFRASTRUCTURE = {"nats", "postgres", "provision"}
+COMPOSE_INFRASTRUCTURE = {"nats", "nats-2", "nats-3", "postgres", "provision"}
 
 CATALOG = [access.service for access in catalog.ACCESS]
 
@@ -209,3 +209,22 @@ def test_the_overlays_and_compose_validate_and_a_wrong_field_is_caught() -> None
     cluster["spec"]["instancez"] = 3
     with pytest.raises(jsonschema.ValidationError):
         validate(cluster)
+
+
+def test_a_stale_or_extra_generated_file_is_found_and_rewritten(tmp_path: Path) -> None:
+    shutil.copytree(BASE, tmp_path / "deploy" / "k8s" / "base")
+    compose = (ROOT / "docker-compose.yml").read_text()
+    (tmp_path / "docker-compose.yml").write_text(compose.replace("NATS_USER: handoff", "X: y"))
+    gone = tmp_path / "deploy" / "k8s" / "base" / "services" / "gone.yaml"
+    gone.write_text("{}\n")
+    (tmp_path / "deploy" / "k8s" / "base" / "services" / "metering.yaml").unlink()
+
+    assert set(map(str, deploygen.stale(tmp_path))) == {
+        "docker-compose.yml",
+        "deploy/k8s/base/services/metering.yaml",
+        "deploy/k8s/base/services/gone.yaml",
+    }
+    deploygen.write(tmp_path)
+    assert deploygen.stale(tmp_path) == []
+    assert (tmp_path / "docker-compose.yml").read_text() == compose
+    assert not gone.exists()

@@ -153,9 +153,10 @@ def test_compose_gives_each_service_its_own_user_and_provisions_first() -> None:
     provision = services["provision"]
     assert provision["command"] == ["devstack", "provision"]
     assert provision["environment"]["NATS_USER"] == "provision"
-    nats_env = services["nats"]["environment"]
-    assert set(nats_env) == {password_variable(u) for u in DEPLOYED_USERS}
-    assert "./deploy/nats:/etc/nats:ro" in services["nats"]["volumes"]
+    for server in ("nats", "nats-2", "nats-3"):
+        nats_env = set(services[server]["environment"]) - {"NATS_SERVER_NAME"}
+        assert nats_env == {password_variable(u) for u in DEPLOYED_USERS}, server
+        assert "./deploy/nats:/etc/nats:ro" in services[server]["volumes"], server
 
 
 def test_make_nats_config_rewrites_both_blocks_in_place(tmp_path: Path) -> None:
@@ -172,3 +173,46 @@ def test_make_nats_config_rewrites_both_blocks_in_place(tmp_path: Path) -> None:
     # the auth block is back; the rest of the manifest is left as it was
     assert rewritten.count('user: "gateway"') == 1
     assert rewritten.replace("stale", "gateway") == (ROOT / K8S_NATS).read_text()
+
+
+def test_the_compose_cluster_config_needs_and_takes_the_passwords(tmp_path: Path) -> None:
+    config_dir = ROOT / "deploy" / "nats"
+    named = {"NATS_SERVER_NAME": "nats-2"}
+
+    def accepts(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [nats_server_binary(), "-t", "-c", str(config_dir / "cluster.conf")],
+            capture_output=True,
+            text=True,
+            env={"PATH": os.environ.get("PATH", ""), **env},
+        )
+
+    assert accepts(named).returncode != 0
+    accepted = accepts({**named, **passwords()})
+    assert accepted.returncode == 0, accepted.stderr
+
+
+def test_the_compose_cluster_profile_runs_three_servers_and_r3_streams() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    profile = dict(
+        line.split("=", 1)
+        for line in (ROOT / "deploy" / "nats" / "cluster.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    servers = [name for name, s in services.items() if s.get("image", "").startswith("nats:")]
+
+    assert servers == ["nats", "nats-2", "nats-3"]
+    assert [services[s].get("profiles") for s in servers] == [None, ["cluster"], ["cluster"]]
+    names = [services[s]["environment"]["NATS_SERVER_NAME"] for s in servers]
+    assert names == servers  # each its own JetStream server name
+    assert profile == {
+        "COMPOSE_PROFILES": "cluster",
+        "NATS_CONFIG": "cluster.conf",
+        "AGENTBUS_STREAM_REPLICAS": "3",
+    }
+    routes = (ROOT / "deploy" / "nats" / "cluster.conf").read_text()
+    assert all(f"nats://{s}:6222" in routes for s in servers)
+    # provisioning waits for all three servers when they run (R3 needs them)
+    waits = services["provision"]["depends_on"]
+    assert {s for s in waits if s.startswith("nats")} == set(servers)
