@@ -22,7 +22,7 @@ $(UV):
 	.tools/bin/pip install --quiet --disable-pip-version-check uv
 
 setup: $(UV) ## install uv and the whole workspace (idempotent)
-	$(UV) sync --frozen
+	$(UV) sync --frozen --all-packages
 
 up: setup ## start NATS, Postgres and every service; Ctrl-C stops them all
 	$(RUN) agentbus up

@@ -160,8 +160,9 @@ def test_every_service_has_a_disruption_budget_and_a_migration_job_with_a_schema
 
 
 def test_the_root_tooling_covers_every_service_package() -> None:
-    # The workspace root installs, type-checks and layer-checks the services by name;
-    # a service package left out of one of those lists would escape that check.
+    # The workspace installs every member by its glob (`uv sync --all-packages`); the
+    # root's type-check and layer lists are generated (`make deploy-config`). A service
+    # package left out of one of them would escape that check.
     root = tomllib.loads((ROOT / "pyproject.toml").read_text())
     modules = entry_modules()
     packages = {
@@ -172,11 +173,13 @@ def test_the_root_tooling_covers_every_service_package() -> None:
     services_layer = {name.strip() for name in layers["layers"][1].split("|")}
 
     assert {path.name for path in packages.values()} == set(modules.values())
-    assert set(packages) <= set(root["project"]["dependencies"])
-    assert set(packages) <= set(root["tool"]["uv"]["sources"])
+    assert "services/*" in root["tool"]["uv"]["workspace"]["members"]
+    assert not set(packages) & set(root["project"]["dependencies"])
+    assert "sync --frozen --all-packages" in (ROOT / "Makefile").read_text()
+    assert (ROOT / "Dockerfile").read_text().count("uv sync --frozen --no-dev --all-packages") == 2
+    assert "services/*" in root["tool"]["ruff"]["src"]  # first-party for isort
     for module in modules.values():
         assert f"services/{module}" in root["tool"]["mypy"]["mypy_path"], module
-        assert module in root["tool"]["ruff"]["lint"]["isort"]["known-first-party"], module
         assert module in root["tool"]["importlinter"]["root_packages"], module
         assert module in services_layer, module
     assert set(independent["modules"]) == set(modules.values())
@@ -218,6 +221,8 @@ def test_a_stale_or_extra_generated_file_is_found_and_rewritten(tmp_path: Path) 
     gone = tmp_path / "deploy" / "k8s" / "base" / "services" / "gone.yaml"
     gone.write_text("{}\n")
     (tmp_path / "deploy" / "k8s" / "base" / "services" / "metering.yaml").unlink()
+
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
 
     assert set(map(str, deploygen.stale(tmp_path))) == {
         "docker-compose.yml",

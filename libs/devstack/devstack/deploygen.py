@@ -1,9 +1,10 @@
 """The deployment's per-service files, generated from one place (issue 15).
 
-Every list of services in deploy/ — a Deployment, PodDisruptionBudget and Service per
-service in deploy/k8s/base/services/, a migration Job and a Postgres role per service
-that keeps a schema, the kustomization's resources, docker-compose's service entries and
-NATS passwords — is written by `agentbus deploy-config --write` from:
+Every list of services outside the services themselves — a Deployment,
+PodDisruptionBudget and Service per service in deploy/k8s/base/services/, a migration
+Job and a Postgres role per service that keeps a schema, the kustomization's resources,
+docker-compose's service entries and NATS passwords, the root pyproject's mypy path and
+import layers — is written by `agentbus deploy-config --write` from:
 
 - the installed services (`agentbus.services` entry points, devstack.services), each
   with its `svc` declaration (schema, migrations);
@@ -672,6 +673,63 @@ def compose_file(current: str, services: list[Deployed]) -> str:
     return _replace_block(text, "services", compose_services(services), "  ")
 
 
+# ---------------------------------------------------------------- pyproject.toml
+
+PYPROJECT = Path("pyproject.toml")
+# The shared layers, top (may import the ones below) to bottom, and their folders.
+LIBRARIES = {
+    "harness": "libs/harness",
+    "servicekit": "libs/servicekit",
+    "domain": "libs/domain",
+    "contracts": "contracts",
+}
+LAUNCHER = ("devstack", "libs/devstack")
+
+
+def pyproject_mypy_path(services: list[Deployed]) -> str:
+    folders = [*LIBRARIES.values(), LAUNCHER[1], *(f"services/{s.module}" for s in services)]
+    return "mypy_path = [\n" + "".join(f'    "{f}",\n' for f in folders) + "]\n"
+
+
+def _toml_list(items: list[str]) -> str:
+    return "[\n" + "".join(f'    "{i}",\n' for i in items) + "]"
+
+
+def pyproject_layers(services: list[Deployed]) -> str:
+    modules = [s.module for s in services]
+    root = [*reversed(LIBRARIES), *modules, LAUNCHER[0]]
+    layers = [LAUNCHER[0], " | ".join(modules), *LIBRARIES]
+    return f"""# `make lint` checks the layers (import-linter): each may import only what is
+# below it. The harness builds on servicekit (its metering client is a servicekit call), so it
+# sits above it; services are independent of one another (`|`); the launcher finds
+# them through entry points, at run time, and imports none either.
+[tool.importlinter]
+root_packages = {_toml_list(root)}
+
+[[tool.importlinter.contracts]]
+name = "layers: contracts <- domain <- servicekit <- harness <- services <- launcher"
+type = "layers"
+layers = {_toml_list(layers)}
+
+[[tool.importlinter.contracts]]
+name = "no service imports another service"
+type = "independence"
+modules = {_toml_list(modules)}
+
+[[tool.importlinter.contracts]]
+name = "the shared libraries and the launcher import no service"
+type = "forbidden"
+source_modules = {_toml_list([*reversed(LIBRARIES), LAUNCHER[0]])}
+forbidden_modules = {_toml_list(modules)}
+"""
+
+
+def pyproject_file(current: str, services: list[Deployed]) -> str:
+    """pyproject.toml with its per-service lists (mypy, import layers) up to date."""
+    text = _replace_block(current, "mypy_path", pyproject_mypy_path(services), "")
+    return _replace_block(text, "import layers", pyproject_layers(services), "")
+
+
 # ---------------------------------------------------------------- write / check
 
 
@@ -680,6 +738,7 @@ def generated_files(root: Path, services: list[Deployed] | None = None) -> dict[
     services = deployed_services() if services is None else services
     files = k8s_files(services)
     files[COMPOSE] = compose_file((root / COMPOSE).read_text(), services)
+    files[PYPROJECT] = pyproject_file((root / PYPROJECT).read_text(), services)
     return files
 
 
