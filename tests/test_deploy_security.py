@@ -216,3 +216,45 @@ def test_the_compose_cluster_profile_runs_three_servers_and_r3_streams() -> None
     # provisioning waits for all three servers when they run (R3 needs them)
     waits = services["provision"]["depends_on"]
     assert {s for s in waits if s.startswith("nats")} == set(servers)
+
+
+def secret_refs(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """Every (Secret, key) a container reads without `optional: true`."""
+    refs = set()
+    for doc in docs:
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("containers", []):
+            for env in container.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref and not ref.get("optional"):
+                    refs.add((ref["name"], ref["key"]))
+            for source in container.get("envFrom", []):
+                if "secretRef" in source:
+                    refs.add((source["secretRef"]["name"], "*"))
+    return refs
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_the_generated_secrets_hold_every_key_the_pods_read(overlay: str) -> None:
+    from devstack.deploycheck import build, validate
+    from devstack.deploygen import deployed_services, secrets_manifest
+
+    generated = [d for d in yaml.safe_load_all(secrets_manifest(deployed_services())) if d]
+    for secret in generated:
+        validate(secret)
+    keys = {s["metadata"]["name"]: set(s["stringData"]) for s in generated}
+    docs = build(ROOT / "deploy" / "k8s" / "overlays" / overlay)
+    [cluster] = [d for d in docs if d["kind"] == "Cluster"]
+
+    for name, key in secret_refs(docs):
+        assert name in keys, name
+        assert key == "*" or key in keys[name], (name, key)
+    for role in cluster["spec"]["managed"]["roles"]:
+        [secret] = [s for s in generated if s["metadata"]["name"] == role["passwordSecret"]["name"]]
+        assert secret["type"] == "kubernetes.io/basic-auth"
+        assert secret["stringData"]["username"] == role["name"]
+    # fresh values each time, none shared between two users
+    again = [d for d in yaml.safe_load_all(secrets_manifest(deployed_services())) if d]
+    values = [v for s in generated for k, v in s["stringData"].items() if k != "username"]
+    assert len(set(values)) == len(values)
+    assert again[0]["stringData"] != generated[0]["stringData"]
