@@ -462,8 +462,9 @@ def postgres(services: list[Deployed]) -> list[dict[str, Any]]:
             },
             "postgresql": {
                 "parameters": {
-                    # The pooler holds at most default_pool_size per role.
-                    "max_connections": "200",
+                    # The pooler opens at most default_pool_size (40) per role: 40 x the
+                    # roles, plus replication, the operator and a superuser's reserve.
+                    "max_connections": str(40 * len(stored) + 50),
                 }
             },
             # The database's owner is not a service: it owns the database, not the
@@ -475,6 +476,9 @@ def postgres(services: list[Deployed]) -> list[dict[str, Any]]:
                         "name": s.name,
                         "ensure": "present",
                         "login": True,
+                        # Session pooling: a client holds its server connection. 2
+                        # replicas x AGENTBUS_DB_POOL_MAX 10, one more during a rolling
+                        # update, and the migration Job: 31 at most.
                         "connectionLimit": 40,
                         "passwordSecret": {"name": s.role_secret},
                     }
