@@ -258,3 +258,82 @@ def test_the_generated_secrets_hold_every_key_the_pods_read(overlay: str) -> Non
     values = [v for s in generated for k, v in s["stringData"].items() if k != "username"]
     assert len(set(values)) == len(values)
     assert again[0]["stringData"] != generated[0]["stringData"]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions In) matches."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def peer_name(peer: dict[str, Any], pods: dict[str, dict[str, str]]) -> str:
+    """A policy peer, named by the pods it selects, its namespace or its address block."""
+    if "ipBlock" in peer:
+        return "internet"
+    if "namespaceSelector" in peer:
+        return peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    return "+".join(sorted(n for n, labels in pods.items() if selects(peer["podSelector"], labels)))
+
+
+def allowed(direction: str, labels: dict[str, str], docs: list[dict[str, Any]]) -> set[str]:
+    """`peer:port` a pod with `labels` may reach (egress) or be reached from (ingress);
+    `*:port` for a rule without peers (anyone)."""
+    pods = pod_labels(docs)
+    found = set()
+    key, peers_key = direction.lower(), "to" if direction == "Egress" else "from"
+    for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        spec = policy["spec"]
+        if direction not in spec["policyTypes"] or not selects(spec["podSelector"], labels):
+            continue
+        for rule in spec.get(key, []):
+            names = [peer_name(p, pods) for p in rule.get(peers_key, [])] or ["*"]
+            ports = [str(p["port"]) for p in rule.get("ports", [])] or ["*"]
+            found |= {f"{n}:{p}" for n in names for p in ports}
+    return found
+
+
+def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The pods of the deployment by name, with their labels (the CNPG pods as the
+    operator labels them)."""
+    pods = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet", "Job")
+    }
+    pods["postgres"] = {"cnpg.io/cluster": "agentbus-db"}
+    pods["pooler"] = {"cnpg.io/poolerName": "agentbus-pooler"}
+    return pods
+
+
+def test_the_network_policies_open_only_the_paths_the_deployment_needs() -> None:
+    from devstack.deploycheck import build
+    from devstack.deploygen import deployed_services
+
+    docs = build(ROOT / "deploy" / "k8s" / "overlays" / "prod")
+    pods = pod_labels(docs)
+    dns = {"kube-system:53"}
+    services = {s.dns: s for s in deployed_services()}
+
+    for name, s in services.items():
+        egress = allowed("Egress", pods[name], docs)
+        expected = dns | {"nats:4222"}
+        if s.schema is not None:
+            expected.add("pooler:5432")  # the pooler, never the instances
+        if s.provider:
+            expected.add("internet:443")
+        assert egress == expected, name
+        ingress = allowed("Ingress", pods[name], docs)
+        # only the web service is reachable from outside; Prometheus scrapes the rest
+        assert ingress == ({"*:8480"} if s.web else set()) | {"monitoring:9090"}, name
+    nats = allowed("Ingress", pods["nats"], docs)
+    clients = {n for n in pods if n in services or n == "agentbus-provision"}
+    assert {p.split(":")[0] for p in nats if p.endswith(":4222")} == {"+".join(sorted(clients))}
+    assert "nats:6222" in nats and "nats:6222" in allowed("Egress", pods["nats"], docs)
+    for job in (n for n in pods if n.startswith("migrate-")):
+        assert allowed("Egress", pods[job], docs) == dns | {"postgres:5432"}, job
+    assert "*:5432" not in allowed("Ingress", pods["postgres"], docs)
