@@ -276,7 +276,7 @@ def peer_name(peer: dict[str, Any], pods: dict[str, dict[str, str]]) -> str:
     if "ipBlock" in peer:
         return "internet"
     if "namespaceSelector" in peer:
-        return peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        return str(peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
     return "+".join(sorted(n for n, labels in pods.items() if selects(peer["podSelector"], labels)))
 
 
