@@ -46,14 +46,15 @@ WORKDIR /app
 # 1. third-party dependencies only, from the lock (cached while no manifest changes)
 COPY --from=manifests /manifests/ ./
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-install-workspace
+    uv sync --frozen --no-dev --all-packages --no-install-workspace
 
-# 2. the workspace itself (contracts, libs, services), installed editable into
+# 2. the workspace itself (contracts, libs, services: every member, by the workspace
+#    glob, so a new service needs no line here), installed editable into
 #    the same venv, so package data beside the code (migrations/*.sql, web files)
 #    is read from where it sits in the tree.
 COPY . .
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev \
+    uv sync --frozen --no-dev --all-packages \
  && .venv/bin/python -m compileall -q contracts libs services
 
 

@@ -12,7 +12,7 @@ MYPY_TESTS_PENDING :=
 MYPY_TESTS := $(filter-out $(MYPY_TESTS_PENDING),$(wildcard contracts/tests libs/*/tests services/*/tests tests))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup up down test lint format bench asyncapi nats-config clean chromium
+.PHONY: help setup up down test lint format bench asyncapi nats-config deploy-config clean chromium
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -22,7 +22,7 @@ $(UV):
 	.tools/bin/pip install --quiet --disable-pip-version-check uv
 
 setup: $(UV) ## install uv and the whole workspace (idempotent)
-	$(UV) sync --frozen
+	$(UV) sync --frozen --all-packages
 
 up: setup ## start NATS, Postgres and every service; Ctrl-C stops them all
 	$(RUN) agentbus up
@@ -42,12 +42,14 @@ chromium: ## Debian's chromium for the browser test (apt-get, only when it is mi
 test: setup chromium ## run every test against real NATS and Postgres (embedded unless URLs are set)
 	$(RUN) pytest
 
-lint: setup ## ruff (lint + format check), mypy --strict (code and tests), import layers
+lint: setup ## ruff, mypy --strict (code and tests), import layers, deploy/ generated and valid
 	$(RUN) ruff check .
 	$(RUN) ruff format --check .
 	$(RUN) mypy libs contracts services
 	@for d in $(MYPY_TESTS); do echo "mypy $$d"; $(RUN) mypy $$d/*.py || exit 1; done
 	$(RUN) lint-imports
+	$(RUN) agentbus deploy-config
+	$(RUN) python -m devstack.deploycheck
 
 format: setup ## apply ruff's fixes and formatting
 	$(RUN) ruff check --fix .
@@ -62,6 +64,9 @@ asyncapi: setup ## regenerate contracts/asyncapi.json from the contracts
 
 nats-config: setup ## regenerate the NATS users of docker-compose and deploy/k8s from the contracts
 	$(RUN) agentbus nats-config --write
+
+deploy-config: setup ## regenerate the per-service files of deploy/k8s and docker-compose.yml
+	$(RUN) agentbus deploy-config --write
 
 clean: ## remove the virtualenvs and the local state (.agentbus: the embedded servers' data)
 	rm -rf .venv .tools .agentbus .import_linter_cache

@@ -2,27 +2,36 @@
 
 The catalog (`contracts.catalog.ACCESS`) gives every service its NATS user; each service
 declares itself with an `agentbus.services` entry point in its own pyproject, which is
-how the launcher finds it. docker-compose and the k8s manifests are written by hand, so
-these tests fail on any drift between them: a service missing from one place, a stale
-one left in another, a container running another module than the entry point names.
+how the launcher finds it. The per-service deploy files are generated from those
+(`agentbus deploy-config --write`); these tests fail when a committed file is stale, and
+on any drift between the lists: a service missing from one place, a stale one left in
+another, a container running another module than the entry point names.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import pytest
 import yaml
 
 from contracts import catalog
-from devstack.services import discover, web_links
+from devstack import deploygen
+from devstack.deploycheck import build, check, validate
+from devstack.services import declared, discover, web_links
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
+BASE = K8S / "base"
 # Containers of docker-compose that are not agentbus services.
-COMPOSE_INFRASTRUCTURE = {"nats", "postgres", "provision"}
+COMPOSE_INFRASTRUCTURE = {"nats", "nats-2", "nats-3", "postgres", "provision"}
 
 CATALOG = [access.service for access in catalog.ACCESS]
 
@@ -42,18 +51,27 @@ def compose_services() -> dict[str, Any]:
 
 
 def k8s_resources() -> list[str]:
-    resources: list[str] = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    resources: list[str] = yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"]
     return resources
+
+
+def k8s_built(overlay: str = "prod") -> list[dict[str, Any]]:
+    """What `kubectl apply -k deploy/k8s/overlays/<overlay>` applies."""
+    return build(K8S / "overlays" / overlay)
+
+
+def k8s_of_kind(kind: str, overlay: str = "prod") -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in k8s_built(overlay) if d["kind"] == kind}
 
 
 def k8s_deployments() -> dict[str, dict[str, Any]]:
     """Every Deployment kustomize applies, by name."""
-    deployments = {}
-    for resource in k8s_resources():
-        for doc in yaml.safe_load_all((K8S / resource).read_text()):
-            if doc and doc["kind"] == "Deployment":
-                deployments[doc["metadata"]["name"]] = doc
-    return deployments
+    return k8s_of_kind("Deployment")
+
+
+def test_the_committed_deploy_files_are_what_the_generator_writes() -> None:
+    # after adding a service or changing its declaration: `make deploy-config`
+    assert deploygen.stale(ROOT) == []
 
 
 def test_every_catalog_service_is_installed_with_an_entry_point_in_start_order() -> None:
@@ -93,7 +111,7 @@ def test_kustomize_applies_a_deployment_for_each_service_and_no_other() -> None:
 
     assert set(deployments) == {dns_name(s) for s in modules}
     for name, module in modules.items():
-        assert f"{dns_name(name)}.yaml" in k8s_resources()
+        assert f"services/{dns_name(name)}.yaml" in k8s_resources()
         [container] = deployments[dns_name(name)]["spec"]["template"]["spec"]["containers"]
         assert container["args"] == [module], name
         assert {"name": "NATS_USER", "value": name} in container["env"]
@@ -103,23 +121,48 @@ def test_every_service_manifest_is_applied() -> None:
     # a manifest written for a service but left out of kustomization (the gateway was)
     applied = set(k8s_resources())
     for service in CATALOG:
-        assert f"{dns_name(service)}.yaml" in applied, service
-    for manifest in K8S.glob("*.yaml"):
-        if manifest.name.endswith(".example.yaml") or manifest.name == "kustomization.yaml":
+        assert f"services/{dns_name(service)}.yaml" in applied, service
+    for manifest in BASE.rglob("*.yaml"):
+        if manifest.name == "kustomization.yaml":
             continue
-        assert manifest.name in applied, manifest.name
+        assert str(manifest.relative_to(BASE)) in applied, manifest.name
 
 
-def test_the_web_services_have_a_k8s_service_for_their_port() -> None:
+def test_the_web_services_have_a_k8s_service_and_ingress_for_their_port() -> None:
+    services, ingresses = k8s_of_kind("Service"), k8s_of_kind("Ingress")
+
+    assert set(ingresses) == {dns_name(name) for name in web_links()}
     for name in web_links():
-        docs = yaml.safe_load_all((K8S / f"{dns_name(name)}.yaml").read_text())
-        services = [d for d in docs if d and d["kind"] == "Service"]
-        assert [s["metadata"]["name"] for s in services] == [dns_name(name)]
+        ports = {p["name"] for p in services[dns_name(name)]["spec"]["ports"]}
+        assert "http" in ports, name
+        backend = ingresses[dns_name(name)]["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+        assert backend["service"] == {"name": dns_name(name), "port": {"name": "http"}}
+
+
+def test_every_service_has_a_disruption_budget_and_a_migration_job_with_a_schema() -> None:
+    budgets, jobs = k8s_of_kind("PodDisruptionBudget"), k8s_of_kind("Job")
+    [cluster] = k8s_of_kind("Cluster").values()
+    [database] = k8s_of_kind("Database").values()
+    roles = {r["name"]: r for r in cluster["spec"]["managed"]["roles"]}
+    schemas = {s["name"]: s["owner"] for s in database["spec"]["schemas"]}
+
+    for spec in discover():
+        schema = declared(spec).schema
+        assert dns_name(spec.name) in budgets, spec.name
+        assert (f"migrate-{dns_name(spec.name)}" in jobs) == (schema is not None), spec.name
+        if schema is not None:
+            # its own role, owning its own schema and nothing else
+            assert roles[spec.name]["passwordSecret"] == {
+                "name": f"agentbus-pg-{dns_name(spec.name)}"
+            }
+            assert schemas[schema] == spec.name
+    assert set(roles) == set(schemas.values())
 
 
 def test_the_root_tooling_covers_every_service_package() -> None:
-    # The workspace root installs, type-checks and layer-checks the services by name;
-    # a service package left out of one of those lists would escape that check.
+    # The workspace installs every member by its glob (`uv sync --all-packages`); the
+    # root's type-check and layer lists are generated (`make deploy-config`). A service
+    # package left out of one of them would escape that check.
     root = tomllib.loads((ROOT / "pyproject.toml").read_text())
     modules = entry_modules()
     packages = {
@@ -130,12 +173,63 @@ def test_the_root_tooling_covers_every_service_package() -> None:
     services_layer = {name.strip() for name in layers["layers"][1].split("|")}
 
     assert {path.name for path in packages.values()} == set(modules.values())
-    assert set(packages) <= set(root["project"]["dependencies"])
-    assert set(packages) <= set(root["tool"]["uv"]["sources"])
+    assert "services/*" in root["tool"]["uv"]["workspace"]["members"]
+    assert not set(packages) & set(root["project"]["dependencies"])
+    assert "sync --frozen --all-packages" in (ROOT / "Makefile").read_text()
+    assert (ROOT / "Dockerfile").read_text().count("uv sync --frozen --no-dev --all-packages") == 2
+    assert "services/*" in root["tool"]["ruff"]["src"]  # first-party for isort
     for module in modules.values():
         assert f"services/{module}" in root["tool"]["mypy"]["mypy_path"], module
-        assert module in root["tool"]["ruff"]["lint"]["isort"]["known-first-party"], module
         assert module in root["tool"]["importlinter"]["root_packages"], module
         assert module in services_layer, module
     assert set(independent["modules"]) == set(modules.values())
     assert set(forbidden["forbidden_modules"]) == set(modules.values())
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_the_overlays_build_as_kubectl_kustomize_builds_them(overlay: str) -> None:
+    # make lint renders the overlays in Python (no kustomize on PyPI for 3.11); where
+    # kubectl is installed, its kustomize must give the same objects.
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+    def by_name(docs: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs if d}
+
+    assert by_name(k8s_built(overlay)) == by_name(yaml.safe_load_all(built))
+
+
+def test_the_overlays_and_compose_validate_and_a_wrong_field_is_caught() -> None:
+    assert check(ROOT) == []
+    [cluster] = k8s_of_kind("Cluster").values()
+    cluster["spec"]["instancez"] = 3
+    with pytest.raises(jsonschema.ValidationError):
+        validate(cluster)
+
+
+def test_a_stale_or_extra_generated_file_is_found_and_rewritten(tmp_path: Path) -> None:
+    shutil.copytree(BASE, tmp_path / "deploy" / "k8s" / "base")
+    compose = (ROOT / "docker-compose.yml").read_text()
+    (tmp_path / "docker-compose.yml").write_text(compose.replace("NATS_USER: handoff", "X: y"))
+    gone = tmp_path / "deploy" / "k8s" / "base" / "services" / "gone.yaml"
+    gone.write_text("{}\n")
+    (tmp_path / "deploy" / "k8s" / "base" / "services" / "metering.yaml").unlink()
+
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+
+    assert set(map(str, deploygen.stale(tmp_path))) == {
+        "docker-compose.yml",
+        "deploy/k8s/base/services/metering.yaml",
+        "deploy/k8s/base/services/gone.yaml",
+    }
+    deploygen.write(tmp_path)
+    assert deploygen.stale(tmp_path) == []
+    assert (tmp_path / "docker-compose.yml").read_text() == compose
+    assert not gone.exists()

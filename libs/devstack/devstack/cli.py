@@ -237,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="write it into deploy/nats/auth.conf and deploy/k8s/nats.yaml (from the repo root)",
     )
+    deploy = sub.add_parser(
+        "deploy-config",
+        help="check (or --write) the per-service files of deploy/ and docker-compose.yml",
+    )
+    deploy.add_argument("--write", action="store_true", help="write them (from the repo root)")
+    deploy.add_argument(
+        "--secrets", action="store_true", help="print every k8s Secret with new random values"
+    )
     sub.add_parser(
         "nats-passwords", help="new random NATS passwords as NAME=value lines (for .env)"
     )
@@ -270,6 +278,22 @@ def main(argv: list[str] | None = None) -> int:
             if user != ADMIN:  # the deployed configs have no unrestricted user
                 print(f"{password_variable(user)}={secrets.token_urlsafe(24)}")
         return 0
+    if args.command == "deploy-config":
+        from pathlib import Path
+
+        from devstack import deploygen
+
+        if args.secrets:
+            print(deploygen.secrets_manifest(deploygen.deployed_services()), end="")
+            return 0
+        if args.write:
+            for path in deploygen.write(Path.cwd()):
+                print(f"wrote {path}")
+            return 0
+        outdated = deploygen.stale(Path.cwd())
+        for path in outdated:
+            print(f"stale: {path} (run `make deploy-config`)")
+        return 1 if outdated else 0
     if args.command == "nats-config":
         from pathlib import Path
 

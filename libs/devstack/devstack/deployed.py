@@ -16,7 +16,7 @@ AUTH_HEADER = (
 )
 # Where the deployed configurations keep the generated block (relative to the repository).
 COMPOSE_AUTH = Path("deploy/nats/auth.conf")
-K8S_NATS = Path("deploy/k8s/nats.yaml")
+K8S_NATS = Path("deploy/k8s/base/nats.yaml")
 K8S_KEY = "  auth.conf: |\n"
 
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import import_module
 from importlib.metadata import entry_points
 
 from contracts import catalog
+from servicekit.service import Service
 
 SERVICES_GROUP = "agentbus.services"
 WEB_GROUP = "agentbus.web"
@@ -59,3 +61,13 @@ WebLink = Callable[..., str]
 def web_links() -> dict[str, WebLink]:
     """The services that serve the web client: name → their link maker (project, user)."""
     return {ep.name: ep.load() for ep in entry_points(group=WEB_GROUP)}
+
+
+def declared(spec: ServiceSpec) -> Service:
+    """The service's declaration (`svc` of its `app` module, the shape every service
+    has): its schema and migrations, for the migration Job and the deploy generator.
+    Loaded at run time, like the entry point itself, so the launcher imports no service."""
+    svc = getattr(import_module(f"{spec.module}.app"), "svc", None)
+    if not isinstance(svc, Service):
+        raise UnknownService(f"{spec.module}.app has no `svc` (a servicekit Service)")
+    return svc

@@ -72,6 +72,27 @@ def _migration_files(package: str) -> list[Traversable]:
     )
 
 
+async def pending_migrations(pool: asyncpg.Pool, schema: str, packages: list[str]) -> list[str]:
+    """The migrations of `packages` not yet applied to `schema` (all of them while the
+    schema does not exist); an applied file that changed since raises MigrationDrift."""
+    async with pool.acquire() as conn:
+        table = await conn.fetchval("SELECT to_regclass($1)", f'"{schema}".schema_migrations')
+        done: dict[str, str] = {}
+        if table is not None:
+            rows = await conn.fetch(f'SELECT name, checksum FROM "{schema}".schema_migrations')
+            done = {r["name"]: r["checksum"] for r in rows}
+    pending = []
+    for package in packages:
+        for file in _migration_files(package):
+            name = f"{package}:{file.name}"
+            checksum = hashlib.sha256(file.read_text().encode()).hexdigest()
+            if name not in done:
+                pending.append(name)
+            elif done[name] != checksum:
+                raise MigrationDrift(f"{name} changed after it was applied to {schema}")
+    return pending
+
+
 async def migrate(pool: asyncpg.Pool, schema: str, packages: list[str]) -> list[str]:
     """Apply every pending migration of `packages` to `schema`; return the names applied."""
     applied_now: list[str] = []
@@ -79,7 +100,10 @@ async def migrate(pool: asyncpg.Pool, schema: str, packages: list[str]) -> list[
         # Session-level lock: held across the per-file transactions below.
         await conn.execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", f"migrate:{schema}")
         try:
-            await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            # Only when missing: a deployed role owns its schema but may not create one
+            # (CREATE on the database), and Postgres checks that right even for IF NOT EXISTS.
+            if await conn.fetchval("SELECT to_regnamespace($1)", f'"{schema}"') is None:
+                await conn.execute(f'CREATE SCHEMA "{schema}"')
             await conn.execute(
                 f"""CREATE TABLE IF NOT EXISTS "{schema}".schema_migrations (
                         name text PRIMARY KEY,

@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 from contracts import streams
 from servicekit.bus import check_streams, connect_service
 from servicekit.cancellation import stop
-from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
+from servicekit.db import KIT_MIGRATIONS, create_pool, migrate, pending_migrations
 from servicekit.logs import configure_logging, get_logger
 from servicekit.metrics import (
     OUTBOX_OLDEST_SECONDS,
@@ -124,10 +124,15 @@ async def open_runtime(
         pool = await create_pool(
             settings.database_url, schema, settings.db_pool_min, settings.db_pool_max
         )
-        await migrate(pool, schema, [KIT_MIGRATIONS, *migrations])
     runtime = Runtime(name, schema, settings, nc, js, pool)
     await _serve_metrics(runtime)
     try:
+        if pool is not None and schema is not None:
+            packages = [KIT_MIGRATIONS, *migrations]
+            if settings.migrate:
+                await migrate(pool, schema, packages)
+            else:
+                await _wait_for_schema(runtime, schema, packages)
         yield runtime
     finally:
         if runtime.metrics is not None:
@@ -137,6 +142,23 @@ async def open_runtime(
             await nc.drain()
         if pool is not None:
             await pool.close()
+
+
+async def _wait_for_schema(rt: Runtime, schema: str, packages: list[str]) -> None:
+    """With AGENTBUS_MIGRATE=false: wait until the migration Job has brought `schema` to
+    the version this code expects; `/readyz` says `schema: false` meanwhile."""
+
+    async def current() -> bool:
+        return not await pending_migrations(rt.pool, schema, packages)
+
+    rt.health.checks["schema"] = current
+    pending = await pending_migrations(rt.pool, schema, packages)
+    if pending:
+        log.warning("schema_not_migrated", schema=schema, pending=pending)
+    while pending:
+        await asyncio.sleep(rt.settings.schema_poll_seconds)
+        pending = await pending_migrations(rt.pool, schema, packages)
+    log.info("schema_current", schema=schema)
 
 
 async def _serve_metrics(rt: Runtime) -> None:

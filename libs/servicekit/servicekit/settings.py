@@ -35,6 +35,12 @@ class ServiceSettings(BaseSettings):
     # 1 locally; 3 on a clustered JetStream (deploy/k8s).
     stream_replicas: int = 1
     db_pool_min: int = 2
+    # Apply the schema's migrations at start (a laptop, compose). In a deployment a Job
+    # per service migrates and the service only waits, not ready, until its schema is
+    # at the version its code expects (AGENTBUS_MIGRATE=false): replicas starting
+    # together never race a migration, and the running code never meets an older schema.
+    migrate: bool = True
+    schema_poll_seconds: float = 2.0
     db_pool_max: int = 10
     # Requests handled at once per endpoint; replicas add to it.
     endpoint_concurrency: int = 256

@@ -44,13 +44,18 @@ def load_secret(configured: str | None) -> str:
     path = state_dir() / "gateway.secret"
     try:
         return path.read_text().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another process created it first
         return path.read_text().strip()
+    except OSError as exc:  # a read-only filesystem (a pod): replicas must share one anyway
+        raise RuntimeError(
+            f"no AGENTBUS_GATEWAY_SECRET and cannot create {path} ({exc.strerror}): "
+            "set AGENTBUS_GATEWAY_SECRET, the same for every replica"
+        ) from exc
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32))
     return path.read_text().strip()
