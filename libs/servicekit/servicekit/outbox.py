@@ -380,6 +380,14 @@ SELECT id, subject, msg_id, body, headers, attempts, ordering_key FROM outbox o
 """
 
 
+# The claim of one key's rows (`OutboxRelay.deliver_now`), `$2` the key.
+CLAIM_KEY = CLAIM.replace(
+    "WHERE available_at <= now()", "WHERE ordering_key = $2 AND available_at <= now()"
+)
+# How often `deliver_now` looks again while another relay is delivering its key.
+KEY_RECHECK_SECONDS = 0.01
+
+
 class OutboxRelay:
     """Drains one schema's outbox through a sender."""
 
@@ -418,10 +426,35 @@ class OutboxRelay:
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
 
-    async def drain_once(self) -> int:
-        """Claim, deliver and delete one batch; return how many rows were claimed."""
+    async def deliver_now(self, key: str, timeout: float) -> bool:
+        """Deliver the committed rows of `key` now rather than at the relay's next wake-up,
+        in their order; True once none is left (delivered here or by another relay, which
+        this waits for), False when `timeout` ran out first. The relay stays the backstop:
+        whatever is left is delivered as always, and a row delivered twice is dropped by
+        its receiver (`msg_id`, the log's idempotency key)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    await self.drain_once(key)
+                    if not await self._pool.fetchval(
+                        "SELECT EXISTS (SELECT 1 FROM outbox WHERE ordering_key = $1)", key
+                    ):
+                        return True
+                    # another relay holds the key, or a row waits for its retry
+                    await asyncio.sleep(KEY_RECHECK_SECONDS)
+        except TimeoutError:
+            return False
+
+    async def drain_once(self, key: str | None = None) -> int:
+        """Claim, deliver and delete one batch (of `key`'s rows only, when given); return
+        how many rows were claimed."""
         async with self._pool.acquire() as conn, conn.transaction():
-            rows = [OutboxRow(**dict(r)) for r in await conn.fetch(CLAIM, self._batch)]
+            claimed = await (
+                conn.fetch(CLAIM, self._batch)
+                if key is None
+                else conn.fetch(CLAIM_KEY, self._batch, key)
+            )
+            rows = [OutboxRow(**dict(r)) for r in claimed]
             if not rows:
                 return 0
             crash_point("outbox.before_publish")

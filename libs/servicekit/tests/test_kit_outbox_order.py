@@ -396,3 +396,49 @@ async def test_many_rows_go_in_one_statement_in_the_order_given(
     for key in ("S1", "S2"):
         ids = [m.headers["Nats-Msg-Id"] for m in published if m.subject.endswith(key)]
         assert ids == [f"{key}-{n}" for n in range(5)]
+
+
+async def test_deliver_now_delivers_one_keys_rows_in_order_and_leaves_the_rest(
+    pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
+) -> None:
+    _, prefix = stream
+    await enqueue_committed(
+        pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.a", "l-1", "L"), (f"{prefix}.a", "k-2", "K")
+    )
+    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    assert await relay.deliver_now("K", timeout=10)
+    assert await published_ids(nc, stream) == ["k-1", "k-2"]
+    assert await waiting(pool) == [("l-1", 0)]
+
+
+async def test_deliver_now_waits_for_another_relay_delivering_the_key(
+    pool: asyncpg.Pool,
+    js: JetStreamContext,
+    nc: Client,
+    stream: tuple[str, str],
+    make_pool: Callable[[], Awaitable[asyncpg.Pool]],
+) -> None:
+    _, prefix = stream
+    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
+    slow = AwaitingSender()
+    busy = asyncio.create_task(OutboxRelay(pool, slow, batch=1).drain_once())
+    assert await asyncio.wait_for(slow.claimed, 10) == ["k-1"]
+
+    now = asyncio.create_task(
+        OutboxRelay(await make_pool(), JetStreamPublisher(js)).deliver_now("K", 30)
+    )
+    # It cannot claim k-1 (held): it answers True only once the other relay deleted it.
+    slow.release.set()
+    assert await busy == 1
+    assert await now
+    assert await waiting(pool) == []
+
+
+async def test_deliver_now_gives_up_after_its_timeout_and_leaves_the_row_to_the_relay(
+    pool: asyncpg.Pool, js: JetStreamContext, nc: Client, make_stream: MakeStream
+) -> None:
+    prefix = f"none{uuid.uuid4().hex[:8]}"  # no stream captures it: every publish fails
+    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
+    assert not await OutboxRelay(pool, JetStreamPublisher(js)).deliver_now("K", timeout=1)
+    [(msg_id, attempts)] = await waiting(pool)
+    assert msg_id == "k-1" and attempts >= 1
