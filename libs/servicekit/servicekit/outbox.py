@@ -191,10 +191,11 @@ class Outbox:
         return await self._with(effect, args, queued, returning)
 
     async def send_many_with(
-        self, effect: str, args: Sequence[Any], messages: Sequence[Queued]
-    ) -> None:
+        self, effect: str, args: Sequence[Any], messages: Sequence[Queued], returning: str = ""
+    ) -> list[dict[str, Any]]:
         """`send_with` for many rows at once: the effect (CTEs, parameters
-        `$1`..`$len(args)`) and every row in one statement, and one wake-up for all."""
+        `$1`..`$len(args)`) and every row in one statement, and one wake-up for all. With
+        `returning`, the rows of that CTE come back."""
         columns: list[list[Any]] = [[], [], [], [], []]
         for m in messages:
             headers = dict(m.headers) if m.headers is not None else inject_headers()
@@ -202,9 +203,18 @@ class Outbox:
                 columns, (m.subject, m.msg_id, m.body, headers, m.ordering_key), strict=True
             ):
                 column.append(value)
-        await self._conn.execute(
-            f"WITH {effect}, {_queue_many_statement(len(args) + 1)}", *args, *columns
+        rows = await self._conn.fetch(
+            f"WITH {effect}, {_queue_many_statement(len(args) + 1, returning)}", *args, *columns
         )
+        return [_without_notify(r) for r in rows] if returning else []
+
+    async def append_many_with(
+        self, effect: str, args: Sequence[Any], events: Sequence[AppendEvent], returning: str = ""
+    ) -> list[dict[str, Any]]:
+        """`append_with` for many events (each appended in its session's order, in the order
+        given), in one statement with `effect`."""
+        queued = [_queued_append(e) for e in events]
+        return await self.send_many_with(effect, args, queued, returning)
 
     async def _with(
         self, effect: str, args: Sequence[Any], queued: list[Any], returning: str
@@ -212,11 +222,13 @@ class Outbox:
         row = await self._conn.fetchrow(
             f"WITH {effect}, {_queue_statement(len(args) + 1, returning)}", *args, *queued
         )
-        if row is None:
-            return None
-        fields = dict(row)
-        fields.pop("pg_notify", None)  # the wake-up, not the caller's
-        return fields
+        return None if row is None else _without_notify(row)
+
+
+def _without_notify(row: asyncpg.Record) -> dict[str, Any]:
+    fields = dict(row)
+    fields.pop("pg_notify", None)  # the wake-up, not the caller's
+    return fields
 
 
 @dataclass(frozen=True)
@@ -232,17 +244,24 @@ class Queued:
     headers: Mapping[str, str] | None = None
 
 
-def _queue_many_statement(first: int) -> str:
+def _queue_many_statement(first: int, returning: str = "") -> str:
     """`_queue_statement` for many rows: five arrays, `$first`..`$first+4`, one element a
     row, inserted in array order (so a key's rows keep the order they were given in)."""
     p = [f"${first + i}" for i in range(5)]
+    tail = f"SELECT {returning}.*, {_NOTIFY} FROM {returning}" if returning else f"SELECT {_NOTIFY}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
         "SELECT subject, msg_id, body, headers, ordering_key "
         f"FROM unnest({p[0]}::text[], {p[1]}::text[], {p[2]}::bytea[], {p[3]}::jsonb[], "
         f"{p[4]}::text[]) WITH ORDINALITY AS m(subject, msg_id, body, headers, ordering_key, n) "
-        f"ORDER BY n) SELECT {_NOTIFY}"
+        f"ORDER BY n) {tail}"
     )
+
+
+def _queued_append(event: AppendEvent) -> Queued:
+    """`Queued` for an event to append to the session log (see `Outbox.append`)."""
+    subject, msg_id, body, headers, key = _append_args(event)
+    return Queued(subject, msg_id, body, key, headers)
 
 
 @dataclass(frozen=True)
