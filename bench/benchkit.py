@@ -6,7 +6,8 @@
   process answers `$SRV.PING.<service>`;
 - `closed_loop`: N clients, each sending its next operation after the previous reply;
 - `CpuMeter`: CPU time per process group (Postgres backends included) and machine load;
-- `percentile`, `Col` / `table` / `latency_row`: the figures and the way they are printed.
+- `percentile`, `Col` / `table` / `latency_row`: the figures and the way they are printed;
+- `py_spy` / `top_frames`: a py-spy profile of a process over a measurement, and its summary.
 
 A benchmark imports this as `benchkit` (Python puts the script's folder first on the path);
 mypy needs the folder on its path too: `MYPYPATH=bench .venv/bin/mypy bench`.
@@ -340,3 +341,65 @@ def cpu_table(
         cpu = [usage.ms_per_op.get(k, 0) for k in roles]
         cells.append([[name, clients, *cpu, sum(cpu), usage.cores_ours], [usage.cores_machine]])
     return table([cols, [Col("", 5, ".2f")]], cells, sep=" /", header=header)
+
+
+# -- profiles -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, path: Path, rate: int = 250) -> Iterator[None]:
+    """Sample `pid` with py-spy (the dev group's) while the block runs, into `path` as
+    collapsed stacks (`frame;frame;… count` lines, what `top_frames` reads)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    command = [
+        str(spy),
+        "record",
+        "--pid",
+        str(pid),
+        "--rate",
+        str(rate),
+        "--format",
+        "raw",
+        "--function",
+    ]
+    recorder = subprocess.Popen(
+        [*command, "--output", str(path), "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        yield
+    finally:
+        recorder.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            recorder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            recorder.kill()
+
+
+def top_frames(path: Path, n: int = 15) -> list[str]:
+    """The functions holding most samples of a `py_spy` profile: own (the frame on top of
+    the stack) and inclusive (anywhere on it), as a share of all samples."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        frames = [
+            f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in stack.split(";")
+        ]
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + count
+    if not total:
+        return [f"  (no samples in {path})"]
+    lines = [f"  {total} samples; own time:"]
+    lines += [f"    {c / total:6.1%}  {f}" for f, c in sorted(own.items(), key=lambda x: -x[1])[:n]]
+    lines.append("  inclusive:")
+    ranked = sorted(inclusive.items(), key=lambda x: -x[1])[:n]
+    lines += [f"    {c / total:6.1%}  {f}" for f, c in ranked]
+    return lines

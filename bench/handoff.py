@@ -21,7 +21,11 @@ it to the log. The CPU table splits each operation's CPU between the processes, 
 cores next to the whole machine's (2 cores, shared: read the ratios, not the absolutes).
 At the end the handoff schema is checked: no (project, target) has more than one `offered`
 row, the outbox drained, and the log holds one `handoff.offered` event per handoff row and one
-`handoff.superseded` event per superseded row. Results are printed, never asserted (exit 0).
+`handoff.superseded` event per superseded row.
+
+Goal (issue 12): offer-1t and offer-<T>t ≥ 0.5× their baseline; the script exits 1 when a
+goal is missed or a check fails. `--py-spy DIR` profiles the handoff and session_events
+processes during offer-1t and prints their top frames.
 
     .venv/bin/python bench/handoff.py [--duration 5] [--clients 64] [--targets 50] [--json]
 """
@@ -33,10 +37,12 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -54,11 +60,13 @@ from benchkit import (
     cpu_table,
     fresh_database,
     load_average,
+    py_spy,
     ratio,
     servers,
     service_env,
     start_services,
     table,
+    top_frames,
     wire,
 )
 from contracts import subjects
@@ -71,6 +79,7 @@ SERVICES = ("session_events", "handoff")
 ROLES = ("client", "session_events", "handoff", "postgres", "nats")
 OPENER = "user:bench"
 DRAIN_TIMEOUT = 180.0
+GOAL_RATIO = 0.5  # offers/s ÷ the bare lock transaction's, at 1 and at T targets
 SCRATCH = """CREATE TABLE bench_offers (
     id uuid PRIMARY KEY, project_id text NOT NULL, to_agent text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now())"""
@@ -185,7 +194,9 @@ class Bench:
 
         return op
 
-    async def run(self, scenario: str, targets: int, op: Op, offers: bool) -> Row:
+    async def run(
+        self, scenario: str, targets: int, op: Op, offers: bool, profile: Path | None = None
+    ) -> Row:
         await closed_loop(op, self.clients, min(1.0, self.duration / 5))  # warm-up, not counted
         if offers:
             await self.drained()
@@ -193,7 +204,11 @@ class Bench:
         self.error_codes.clear()
         meter = CpuMeter(self.pids, self.pool)
         await meter.start()
-        result = await closed_loop(op, self.clients, self.duration)
+        async with contextlib.AsyncExitStack() as spies:
+            for module in SERVICES if profile else ():
+                assert profile is not None
+                spies.enter_context(py_spy(self.pids[module][0], profile / f"{module}.txt"))
+            result = await closed_loop(op, self.clients, self.duration)
         cpu = await meter.stop(len(result.latencies), result.seconds)
         row = Row(
             scenario, self.clients, targets, len(result.latencies), result.errors,
@@ -272,7 +287,8 @@ async def measure(args: argparse.Namespace, srv: Servers) -> tuple[list[Row], di
         ]
         rows: list[Row] = []
         for scenario, targets, op, baseline in plan:
-            rows.append(await bench.run(scenario, targets, op, offers=baseline is not None))
+            spied = Path(args.py_spy) if args.py_spy and scenario == "offer-1t" else None
+            rows.append(await bench.run(scenario, targets, op, baseline is not None, spied))
             rows[-1].baseline = baseline
         await bench.drained()
         result = await check(pool)
@@ -330,9 +346,17 @@ def check_lines(result: dict[str, Any]) -> tuple[list[str], bool]:
     ], one_pending and drained and logged
 
 
-def report(rows: list[Row], result: dict[str, Any], load: tuple[str, str]) -> str:
+def report(rows: list[Row], result: dict[str, Any], load: tuple[str, str]) -> tuple[str, bool]:
+    """The tables and the verdict; True when the checks pass and the goals are met."""
     by_name = {r.scenario: r for r in rows}
     checks, ok = check_lines(result)
+    goal_rows = [r for r in rows if r.baseline is not None and r.scenario != "offer-1t-same"]
+    cpu_ratios = [
+        f"{r.scenario}: {ratio(sum(r.cpu_ms_per_op.values()), base_cpu):.2f}"
+        for r in rows
+        if r.baseline is not None and (base_cpu := sum(by_name[r.baseline].cpu_ms_per_op.values()))
+    ]
+    met = all(ratio(r.rate, by_name[r.baseline or ""].rate) >= GOAL_RATIO for r in goal_rows)
     summary = [
         f"{r.scenario} {r.rate:.0f}/s = {ratio(r.rate, by_name[r.baseline].rate):.2f}× "
         f"{r.baseline} (p99 {r.p99_ms:.1f} ms)"
@@ -341,7 +365,13 @@ def report(rows: list[Row], result: dict[str, Any], load: tuple[str, str]) -> st
     ]
     verdict = f"verdict: checks {'OK' if ok else 'FAILED'}; " + "; ".join(summary)
     machine = f"machine: before {load[0]}; after {load[1]}"
-    return "\n".join([*results_table(rows), "", machine, "", *checks, verdict])
+    goal = (
+        f"goal: {', '.join(r.scenario for r in goal_rows)} ≥ {GOAL_RATIO}× the bare lock "
+        f"transaction: {'MET' if met else 'NOT MET'}"
+    )
+    cpu = "CPU per offer ÷ CPU per lock transaction: " + ", ".join(cpu_ratios)
+    lines = [*results_table(rows), cpu, "", machine, "", *checks, verdict, goal]
+    return "\n".join(lines), ok and met
 
 
 def main() -> None:
@@ -350,15 +380,22 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--targets", type=int, default=50, help="targets of the spread case")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    parser.add_argument("--py-spy", metavar="DIR", help="profile the services into DIR")
     args = parser.parse_args()
     before = load_average()
     with servers() as srv:
         rows, result = uvloop.run(measure(args, srv))
     load = (before, load_average())
-    print(report(rows, result, load))
+    text, ok = report(rows, result, load)
+    print(text)
+    for module in SERVICES if args.py_spy else ():
+        print(f"\npy-spy, {module} during offer-1t:")
+        print("\n".join(top_frames(Path(args.py_spy) / f"{module}.txt")))
     if args.json:
         results = [asdict(r) | {"ops_per_s": r.rate} for r in rows]
         print(json.dumps({"rows": results, "check": result, "load": load}))
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

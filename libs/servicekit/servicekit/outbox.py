@@ -8,7 +8,9 @@ them to its sender, and deletes each row in the same transaction once it was
 delivered. A crash before that commit sends the row again: JetStream drops the copy
 inside its duplicate window (`Nats-Msg-Id`), the log drops it by idempotency key, and
 consumers are idempotent beyond both. `LISTEN/NOTIFY` wakes the relay early; polling
-is what guarantees progress.
+is what guarantees progress. Each schema notifies on its own channel
+(`notify_channel`): a service's relay wakes for its own rows only, not for every
+append of every service sharing the database.
 
 Order: rows sharing an `ordering_key` (a session id) are delivered in the order they
 were written — across retries and across relay replicas. A key whose oldest row is
@@ -51,7 +53,10 @@ from servicekit.telemetry import inject_headers
 
 log = get_logger(__name__)
 
-NOTIFY_CHANNEL = "agentbus_outbox"
+# A schema's outbox notifies `agentbus_outbox.<schema>` (`notify_channel`).
+NOTIFY_CHANNEL_PREFIX = "agentbus_outbox."
+# The wake-up of the schema the statement runs in (the first of its search path).
+_NOTIFY = f"pg_notify('{NOTIFY_CHANNEL_PREFIX}' || current_schema(), '')"
 SEND_TIMEOUT_SECONDS = 5.0
 MAX_BACKOFF_SECONDS = 60.0
 # Error codes of the log that a later attempt may not get.
@@ -62,18 +67,22 @@ MAX_INTERNAL_ATTEMPTS = 8
 OUTBOX_CONSUMER = "outbox"
 
 
+def notify_channel(schema: str) -> str:
+    """The channel the outbox of `schema` notifies when a row is written."""
+    return NOTIFY_CHANNEL_PREFIX + schema
+
+
 def _queue_statement(first: int, returning: str = "") -> str:
     """The outbox insert (and its wake-up notify) as the tail of a `WITH`, parameters
-    `$first`..`$first+5` (see `_queue_args`).
+    `$first`..`$first+4` (see `_queue_args`).
 
     With data-modifying CTEs before it (`Outbox.append_with`), the effect and its
     outbox row are written in one round trip. To read the effect's `RETURNING` rows
     back, name them: `returning="effect"` selects `effect.*`.
     """
-    p = [f"${first + i}" for i in range(6)]
+    p = [f"${first + i}" for i in range(5)]
     # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
-    notify = f"pg_notify({p[5]}, '')"
-    tail = f"SELECT {returning}.*, {notify} FROM {returning}" if returning else f"SELECT {notify}"
+    tail = f"SELECT {returning}.*, {_NOTIFY} FROM {returning}" if returning else f"SELECT {_NOTIFY}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
         f"VALUES ({p[0]}, {p[1]}, {p[2]}, {p[3]}, {p[4]})) {tail}"
@@ -94,7 +103,6 @@ def _queue_args(
         body,
         inject_headers(dict(headers or {})),
         ordering_key,
-        NOTIFY_CHANNEL,
     ]
 
 
@@ -182,17 +190,78 @@ class Outbox:
         queued = _queue_args(subject, msg_id, body, ordering_key=ordering_key)
         return await self._with(effect, args, queued, returning)
 
+    async def send_many_with(
+        self, effect: str, args: Sequence[Any], messages: Sequence[Queued], returning: str = ""
+    ) -> list[dict[str, Any]]:
+        """`send_with` for many rows at once: the effect (CTEs, parameters
+        `$1`..`$len(args)`) and every row in one statement, and one wake-up for all. With
+        `returning`, the rows of that CTE come back."""
+        columns: list[list[Any]] = [[], [], [], [], []]
+        for m in messages:
+            headers = dict(m.headers) if m.headers is not None else inject_headers()
+            for column, value in zip(
+                columns, (m.subject, m.msg_id, m.body, headers, m.ordering_key), strict=True
+            ):
+                column.append(value)
+        rows = await self._conn.fetch(
+            f"WITH {effect}, {_queue_many_statement(len(args) + 1, returning)}", *args, *columns
+        )
+        return [_without_notify(r) for r in rows] if returning else []
+
+    async def append_many_with(
+        self, effect: str, args: Sequence[Any], events: Sequence[AppendEvent], returning: str = ""
+    ) -> list[dict[str, Any]]:
+        """`append_with` for many events (each appended in its session's order, in the order
+        given), in one statement with `effect`."""
+        queued = [_queued_append(e) for e in events]
+        return await self.send_many_with(effect, args, queued, returning)
+
     async def _with(
         self, effect: str, args: Sequence[Any], queued: list[Any], returning: str
     ) -> dict[str, Any] | None:
         row = await self._conn.fetchrow(
             f"WITH {effect}, {_queue_statement(len(args) + 1, returning)}", *args, *queued
         )
-        if row is None:
-            return None
-        fields = dict(row)
-        fields.pop("pg_notify", None)  # the wake-up, not the caller's
-        return fields
+        return None if row is None else _without_notify(row)
+
+
+def _without_notify(row: asyncpg.Record) -> dict[str, Any]:
+    fields = dict(row)
+    fields.pop("pg_notify", None)  # the wake-up, not the caller's
+    return fields
+
+
+@dataclass(frozen=True)
+class Queued:
+    """One row for `Outbox.send_many_with`: what `send` takes, as a value. `headers`
+    None: the current trace context; give them to carry another's (a batch writer
+    sends each row with the trace of the request it came from)."""
+
+    subject: str
+    msg_id: str
+    body: bytes
+    ordering_key: str | None = None
+    headers: Mapping[str, str] | None = None
+
+
+def _queue_many_statement(first: int, returning: str = "") -> str:
+    """`_queue_statement` for many rows: five arrays, `$first`..`$first+4`, one element a
+    row, inserted in array order (so a key's rows keep the order they were given in)."""
+    p = [f"${first + i}" for i in range(5)]
+    tail = f"SELECT {returning}.*, {_NOTIFY} FROM {returning}" if returning else f"SELECT {_NOTIFY}"
+    return (
+        "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
+        "SELECT subject, msg_id, body, headers, ordering_key "
+        f"FROM unnest({p[0]}::text[], {p[1]}::text[], {p[2]}::bytea[], {p[3]}::jsonb[], "
+        f"{p[4]}::text[]) WITH ORDINALITY AS m(subject, msg_id, body, headers, ordering_key, n) "
+        f"ORDER BY n) {tail}"
+    )
+
+
+def _queued_append(event: AppendEvent) -> Queued:
+    """`Queued` for an event to append to the session log (see `Outbox.append`)."""
+    subject, msg_id, body, headers, key = _append_args(event)
+    return Queued(subject, msg_id, body, key, headers)
 
 
 @dataclass(frozen=True)
@@ -330,6 +399,14 @@ SELECT id, subject, msg_id, body, headers, attempts, ordering_key FROM outbox o
 """
 
 
+# The claim of one key's rows (`OutboxRelay.deliver_now`), `$2` the key.
+CLAIM_KEY = CLAIM.replace(
+    "WHERE available_at <= now()", "WHERE ordering_key = $2 AND available_at <= now()"
+)
+# How often `deliver_now` looks again while another relay is delivering its key.
+KEY_RECHECK_SECONDS = 0.01
+
+
 class OutboxRelay:
     """Drains one schema's outbox through a sender."""
 
@@ -368,10 +445,35 @@ class OutboxRelay:
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
 
-    async def drain_once(self) -> int:
-        """Claim, deliver and delete one batch; return how many rows were claimed."""
+    async def deliver_now(self, key: str, timeout: float) -> bool:
+        """Deliver the committed rows of `key` now rather than at the relay's next wake-up,
+        in their order; True once none is left (delivered here or by another relay, which
+        this waits for), False when `timeout` ran out first. The relay stays the backstop:
+        whatever is left is delivered as always, and a row delivered twice is dropped by
+        its receiver (`msg_id`, the log's idempotency key)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    await self.drain_once(key)
+                    if not await self._pool.fetchval(
+                        "SELECT EXISTS (SELECT 1 FROM outbox WHERE ordering_key = $1)", key
+                    ):
+                        return True
+                    # another relay holds the key, or a row waits for its retry
+                    await asyncio.sleep(KEY_RECHECK_SECONDS)
+        except TimeoutError:
+            return False
+
+    async def drain_once(self, key: str | None = None) -> int:
+        """Claim, deliver and delete one batch (of `key`'s rows only, when given); return
+        how many rows were claimed."""
         async with self._pool.acquire() as conn, conn.transaction():
-            rows = [OutboxRow(**dict(r)) for r in await conn.fetch(CLAIM, self._batch)]
+            claimed = await (
+                conn.fetch(CLAIM, self._batch)
+                if key is None
+                else conn.fetch(CLAIM_KEY, self._batch, key)
+            )
+            rows = [OutboxRow(**dict(r)) for r in claimed]
             if not rows:
                 return 0
             crash_point("outbox.before_publish")
@@ -437,13 +539,14 @@ class OutboxRelay:
             try:
                 async with self._pool.acquire() as conn:
                     wake = lambda *_: self._wake.set()  # noqa: E731
-                    await conn.add_listener(NOTIFY_CHANNEL, wake)
+                    channel = notify_channel(await conn.fetchval("SELECT current_schema()"))
+                    await conn.add_listener(channel, wake)
                     try:
                         while not conn.is_closed():  # noqa: ASYNC110 - asyncpg has no close event
                             await asyncio.sleep(5)
                     finally:
                         with contextlib.suppress(Exception):
-                            await conn.remove_listener(NOTIFY_CHANNEL, wake)
+                            await conn.remove_listener(channel, wake)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -97,12 +97,14 @@ class Runtime:
         self.tasks.append(task)
         return task
 
-    def relay(self, sender: Sender, name: str = "outbox-relay") -> None:
-        """Drain this schema's outbox through `sender` for the life of the service."""
+    def relay(self, sender: Sender, name: str = "outbox-relay") -> OutboxRelay:
+        """Drain this schema's outbox through `sender` for the life of the service; the
+        relay is returned for `deliver_now`."""
         relay = OutboxRelay(
             self.pool, sender, self.settings.outbox_batch, self.settings.outbox_poll_seconds
         )
         self.background(relay.run(), name)
+        return relay
 
 
 @asynccontextmanager

@@ -91,7 +91,7 @@ async def listening(pool: asyncpg.Pool) -> bool:
     count: int = await pool.fetchval(
         """SELECT count(*) FROM pg_stat_activity
             WHERE datname = current_database() AND query ILIKE $1""",
-        f"LISTEN%{outbox.NOTIFY_CHANNEL}%",
+        f"LISTEN%{outbox.NOTIFY_CHANNEL_PREFIX}%",
     )
     return count > 0
 

@@ -32,8 +32,9 @@ from servicekit.outbox import (
     Outbox,
     OutboxRelay,
     OutboxRow,
+    Queued,
 )
-from servicekit.testing import stream_messages
+from servicekit.testing import stream_messages, wait_for
 
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]
 
@@ -348,3 +349,96 @@ async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_b
     finally:
         for p in pools.values():
             await p.close()
+
+
+async def test_each_schema_notifies_its_own_channel(database_url: str) -> None:
+    # Every append of the log used to wake every service's relay (one shared channel).
+    # A row written in svc_a's outbox must wake svc_a's relay only.
+    pools = {}
+    heard: list[str] = []
+    listener = await asyncpg.connect(database_url)
+    try:
+        for schema in ("svc_a", "svc_b"):
+            pools[schema] = await create_pool(database_url, schema)
+            await migrate(pools[schema], schema, [KIT_MIGRATIONS])
+            await listener.add_listener(
+                outbox.notify_channel(schema), lambda _c, _p, channel, _m: heard.append(channel)
+            )
+        for schema in ("svc_a", "svc_b"):
+            async with pools[schema].acquire() as conn, conn.transaction():
+                await Outbox(conn).send(f"x.{schema}", f"{schema}-1", b"{}")
+            # Notifications reach a listener in commit order: had svc_a's row also
+            # notified svc_b's channel, that would be heard before svc_b's own.
+            await wait_for(lambda s=schema: outbox.notify_channel(s) in heard, what=schema)
+        assert heard == [outbox.notify_channel("svc_a"), outbox.notify_channel("svc_b")]
+    finally:
+        await listener.close()
+        for p in pools.values():
+            await p.close()
+
+
+async def test_many_rows_go_in_one_statement_in_the_order_given(
+    pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
+) -> None:
+    _, prefix = stream
+    rows = [
+        Queued(f"{prefix}.{key}", f"{key}-{n}", b"{}", ordering_key=key, headers={"n": str(n)})
+        for n in range(5)
+        for key in ("S1", "S2")
+    ]
+    async with pool.acquire() as conn, conn.transaction():
+        await Outbox(conn).send_many_with("effect AS (SELECT $1::int AS n)", [1], rows)
+    stored = await pool.fetch("SELECT msg_id, headers FROM outbox ORDER BY id")
+    assert [r["msg_id"] for r in stored] == [r.msg_id for r in rows]
+    assert [r["headers"] for r in stored] == [dict(r.headers or {}) for r in rows]
+    assert await OutboxRelay(pool, JetStreamPublisher(js)).drain_once() == len(rows)
+    published = await stream_messages(nc, stream[0], f"{prefix}.>")
+    for key in ("S1", "S2"):
+        ids = [m.headers["Nats-Msg-Id"] for m in published if m.subject.endswith(key)]
+        assert ids == [f"{key}-{n}" for n in range(5)]
+
+
+async def test_deliver_now_delivers_one_keys_rows_in_order_and_leaves_the_rest(
+    pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
+) -> None:
+    _, prefix = stream
+    await enqueue_committed(
+        pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.a", "l-1", "L"), (f"{prefix}.a", "k-2", "K")
+    )
+    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    assert await relay.deliver_now("K", timeout=10)
+    assert await published_ids(nc, stream) == ["k-1", "k-2"]
+    assert await waiting(pool) == [("l-1", 0)]
+
+
+async def test_deliver_now_waits_for_another_relay_delivering_the_key(
+    pool: asyncpg.Pool,
+    js: JetStreamContext,
+    nc: Client,
+    stream: tuple[str, str],
+    make_pool: Callable[[], Awaitable[asyncpg.Pool]],
+) -> None:
+    _, prefix = stream
+    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
+    slow = AwaitingSender()
+    busy = asyncio.create_task(OutboxRelay(pool, slow, batch=1).drain_once())
+    assert await asyncio.wait_for(slow.claimed, 10) == ["k-1"]
+
+    now = asyncio.create_task(
+        OutboxRelay(await make_pool(), JetStreamPublisher(js)).deliver_now("K", 30)
+    )
+    # It cannot claim k-1 (held): it answers True only once the other relay deleted it.
+    slow.release.set()
+    assert await busy == 1
+    assert await now
+    assert await waiting(pool) == []
+
+
+async def test_deliver_now_gives_up_after_its_timeout_and_leaves_the_row_to_the_relay(
+    pool: asyncpg.Pool, js: JetStreamContext, nc: Client, make_stream: MakeStream
+) -> None:
+    prefix = f"none{uuid.uuid4().hex[:8]}"  # no stream captures it: every publish fails
+    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
+    assert not await OutboxRelay(pool, JetStreamPublisher(js)).deliver_now("K", timeout=1)
+    [(msg_id, attempts)] = await waiting(pool)
+    assert msg_id == "k-1" and attempts >= 1

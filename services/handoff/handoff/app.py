@@ -16,9 +16,12 @@ __all__ = ["CLOSINGS", "main", "run"]
 async def main(settings: ServiceSettings | None = None) -> None:
     """Serve the handoff commands, relay its events to the log, follow session closings."""
     async with svc.open(settings or ServiceSettings()) as rt:
-        rt.relay(LogAppender(rt.nc))
+        relay = rt.relay(LogAppender(rt.nc))
         await svc.serve(
-            rt, repo=HandoffRepository(rt.pool), sessions=SessionDirectory(SessionLogClient(rt.nc))
+            rt,
+            repo=HandoffRepository(rt.pool),
+            sessions=SessionDirectory(SessionLogClient(rt.nc)),
+            relay=relay,
         )
 
 

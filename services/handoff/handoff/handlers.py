@@ -3,10 +3,13 @@ one lifecycle use case in one transaction."""
 
 from __future__ import annotations
 
+from uuid import UUID
+
 from nats.aio.client import Client
 
 from contracts import streams, subjects
 from contracts.catalog import SESSION_CLOSINGS_FILTER
+from contracts.common import ErrorCode
 from contracts.events import SESSION_CLOSINGS, Event
 from contracts.handoff import (
     AcceptReply,
@@ -23,14 +26,19 @@ from contracts.handoff import (
     OfferManyReply,
     OfferReply,
 )
+from domain.errors import DomainError
 from domain.handoff import catalogue_agent, check_handoff_target
 from handoff import lifecycle
 from handoff.directory import SessionDirectory
 from handoff.repository import HandoffRepository
 from servicekit.consumer import ConsumerSpec
+from servicekit.outbox import OutboxRelay
 from servicekit.provenance import confirm
 from servicekit.service import Service
 
+# How long an activation waits for the log to confirm its announcement (under the
+# callers' 5 s request timeout).
+ANNOUNCE_TIMEOUT_SECONDS = 4.0
 SERVICE = "handoff"
 VERSION = "0.1.0"
 svc = Service(
@@ -67,13 +75,31 @@ async def offer_many(
         return await lifecycle.offer_many(tx, cmd)
 
 
+async def in_the_log(relay: OutboxRelay, session_id: UUID) -> None:
+    """Return once the session's events this service committed are in the log.
+
+    An activation is answered only when its `agent.activated` is in the log: a message
+    typed right after "Start Criativo" must find the agent active there, not be answered
+    by the plain chat. The rows are delivered now, in order, and the log's reply to each
+    append is its confirmation; the relay stays the backstop."""
+    if not await relay.deliver_now(str(session_id), ANNOUNCE_TIMEOUT_SECONDS):
+        raise DomainError(
+            ErrorCode.UNAVAILABLE,
+            f"the activation in session {session_id} is committed but the log has not "
+            "confirmed its announcement yet; retry (a repeat is answered already_active)",
+            session_id=str(session_id),
+        )
+
+
 @svc.command(subjects.HANDOFFS_ACCEPT)
 async def accept(
-    cmd: HandoffDecision, repo: HandoffRepository, sessions: SessionDirectory
+    cmd: HandoffDecision, repo: HandoffRepository, sessions: SessionDirectory, relay: OutboxRelay
 ) -> AcceptReply:
     await sessions.open_session(cmd.session_id)  # RN-581, asked of the log itself
     async with repo.transaction() as tx:
-        return await lifecycle.accept(tx, cmd)
+        reply = await lifecycle.accept(tx, cmd)
+    await in_the_log(relay, reply.handoff.session_id)
+    return reply
 
 
 @svc.command(subjects.HANDOFFS_REJECT)
@@ -97,12 +123,14 @@ async def list_handoffs(cmd: ListHandoffs, repo: HandoffRepository) -> HandoffsR
 
 @svc.command(subjects.AGENTS_ACTIVATE)
 async def activate(
-    cmd: ActivateAgent, repo: HandoffRepository, sessions: SessionDirectory
+    cmd: ActivateAgent, repo: HandoffRepository, sessions: SessionDirectory, relay: OutboxRelay
 ) -> ActivationReply:
     catalogue_agent(cmd.agent)
     await sessions.open_session(cmd.session_id, cmd.project_id)
     async with repo.transaction() as tx:
-        return await lifecycle.activate(tx, cmd)
+        reply = await lifecycle.activate(tx, cmd)
+    await in_the_log(relay, cmd.session_id)
+    return reply
 
 
 @svc.command(subjects.AGENTS_ACTIVE)

@@ -8,6 +8,7 @@ decision 3). Every status change of a handoff happens under its target's lock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 from uuid import UUID, uuid4
 
@@ -31,6 +32,7 @@ from contracts.handoff import (
     OfferManyReply,
     OfferReply,
 )
+from contracts.session_events import AppendEvent
 from domain.errors import DomainError
 from domain.handoff import (
     PendingOffer,
@@ -50,8 +52,7 @@ LIFECYCLE_ACTOR = "system:handoff-lifecycle"
 async def offer(tx: HandoffTransaction, cmd: OfferHandoff) -> OfferReply:
     """ADR 0182 decisions 2, 4 and 7 for one target."""
     await tx.lock_target(cmd.project_id, cmd.to_agent)
-    active = await tx.active(cmd.project_id, cmd.to_agent)
-    pending = await tx.pending(cmd.project_id, cmd.to_agent)
+    active, pending = await tx.target_state(cmd.project_id, cmd.to_agent)
     if cmd.mode == "if_absent":
         reason = skip_reason(active is not None, bool(pending))
         if reason is not None:
@@ -66,14 +67,21 @@ async def offer(tx: HandoffTransaction, cmd: OfferHandoff) -> OfferReply:
         cmd.artifact_id,
     )
     if decision.creates:
+        # The new offer and the ones it supersedes in one statement.
         current = await _create(
-            tx, cmd.project_id, cmd.session_id, cmd.from_agent, cmd.to_agent, cmd.artifact_id
+            tx,
+            cmd.project_id,
+            cmd.session_id,
+            cmd.from_agent,
+            cmd.to_agent,
+            cmd.artifact_id,
+            [by_id[old] for old in decision.supersede],
         )
     else:
         assert decision.kept is not None
         current = by_id[decision.kept]
-    for old in decision.supersede:
-        await supersede(tx, by_id[old], "nova_oferta", current.id)
+        for old in decision.supersede:
+            await supersede(tx, by_id[old], "nova_oferta", current.id)
     return OfferReply(handoff=current, outcome=decision.outcome.value)
 
 
@@ -84,8 +92,7 @@ async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
     # Sorted, so two concurrent multi-target offers take the target locks in one order.
     for target in sorted(cmd.targets, key=lambda t: t.to_agent):
         await tx.lock_target(cmd.project_id, target.to_agent)
-        active = await tx.active(cmd.project_id, target.to_agent)
-        pending = await tx.pending(cmd.project_id, target.to_agent)
+        active, pending = await tx.target_state(cmd.project_id, target.to_agent)
         reason = skip_reason(active is not None, bool(pending))
         if reason is not None:
             served.append(
@@ -182,17 +189,24 @@ async def supersede(
     """ADR 0182 decision 1: the row changes status; the event lands in the old offer's
     session (even a closed one), from the lifecycle itself. The `handoff.offered` event
     that announced it is never touched."""
+    announce = superseded_event(old, motivo, by)
+    await tx.set_status(old.id, Status.SUPERSEDED, announce, superseded_by=by)
+
+
+def superseded_event(
+    old: Handoff, motivo: Literal["agente_ativado", "nova_oferta"], by: UUID | None
+) -> AppendEvent:
+    """The `handoff.superseded` of `old`, refused when `old` may not be superseded."""
     assert_transition(old.id, Status(old.status), Status.SUPERSEDED)
     payload = HandoffSuperseded(
         handoffId=old.id, toAgent=old.to_agent, motivo=motivo, substitutaId=by
     )
-    announce = announcement(
+    return announcement(
         old.session_id,
         EventType.HANDOFF_SUPERSEDED,
         LIFECYCLE_ACTOR,
         payload.model_dump(mode="json"),
     )
-    await tx.set_status(old.id, Status.SUPERSEDED, announce, superseded_by=by)
 
 
 def session_closed(session_id: UUID) -> DomainError:
@@ -212,7 +226,9 @@ async def _create(
     from_agent: str,
     to_agent: str,
     artifact_id: UUID | None,
+    superseding: Sequence[Handoff] = (),
 ) -> Handoff:
+    """A new offer, superseding `superseding` (ADR 0182 decision 2), with every event."""
     handoff_id = uuid4()
     payload = HandoffOffered(
         handoff_id=handoff_id, from_agent=from_agent, to_agent=to_agent, artifact_id=artifact_id
@@ -225,8 +241,9 @@ async def _create(
         payload.model_dump(mode="json"),
         causation_id=artifact_id,
     )
+    superseded = [(old.id, superseded_event(old, "nova_oferta", handoff_id)) for old in superseding]
     return await tx.insert_handoff(
-        handoff_id, project_id, session_id, from_agent, to_agent, artifact_id, announce
+        handoff_id, project_id, session_id, from_agent, to_agent, artifact_id, announce, superseded
     )
 
 

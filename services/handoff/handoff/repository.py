@@ -64,16 +64,28 @@ class HandoffTransaction:
         )
         return [Handoff.model_validate(dict(r)) for r in rows]
 
-    async def active(self, project_id: str, agent: str) -> Activation | None:
-        """The agent's activation in an open session of the project, if any."""
+    async def target_state(
+        self, project_id: str, agent: str
+    ) -> tuple[Activation | None, list[Handoff]]:
+        """The agent's activation in an open session of the project, if any, and `pending`:
+        one round trip, which the offer path reads under the target's lock
+        (bench/handoff.py measures why)."""
         row = await self._conn.fetchrow(
-            f"""SELECT {ACTIVATION_COLUMNS} FROM activations
-                 WHERE project_id = $1 AND agent = $2 AND ended_at IS NULL
-                 ORDER BY activated_at LIMIT 1""",
+            f"""SELECT
+                  (SELECT to_jsonb(a) FROM (
+                     SELECT {ACTIVATION_COLUMNS} FROM activations
+                      WHERE project_id = $1 AND agent = $2 AND ended_at IS NULL
+                      ORDER BY activated_at LIMIT 1) a) AS active,
+                  (SELECT coalesce(jsonb_agg(to_jsonb(h) ORDER BY h.created_at, h.id), '[]')
+                     FROM (SELECT {HANDOFF_COLUMNS} FROM handoffs
+                            WHERE project_id = $1 AND to_agent = $2 AND status = 'offered') h)
+                    AS pending""",
             project_id,
             agent,
         )
-        return Activation.model_validate(dict(row)) if row else None
+        assert row is not None
+        active = Activation.model_validate(row["active"]) if row["active"] else None
+        return active, [Handoff.model_validate(h) for h in row["pending"]]
 
     async def activation_in(self, session_id: UUID, agent: str) -> Activation | None:
         """The agent's activation in this session, if it is still active."""
@@ -122,18 +134,32 @@ class HandoffTransaction:
         to_agent: str,
         artifact_id: UUID | None,
         announce: AppendEvent,
+        superseded: Sequence[tuple[UUID, AppendEvent]] = (),
     ) -> Handoff:
-        """Insert an offer and its event's outbox row: one round trip under the lock."""
-        row = await Outbox(self._conn).append_with(
+        """Insert an offer, supersede the pending offers given (by it), and queue their
+        events, the offer's first: one statement, one round trip under the lock."""
+        rows = await Outbox(self._conn).append_many_with(
             f"""h AS (
                     INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
                                           artifact_id, status)
-                    VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS})""",
-            [handoff_id, project_id, session_id, from_agent, to_agent, artifact_id],
-            announce,
+                    VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS}),
+                old AS (
+                    UPDATE handoffs SET status = 'superseded', superseded_by = $1,
+                                        updated_at = now()
+                     WHERE id = ANY($7::uuid[]) AND status = 'offered' RETURNING id)""",
+            [
+                handoff_id,
+                project_id,
+                session_id,
+                from_agent,
+                to_agent,
+                artifact_id,
+                [old for old, _ in superseded],
+            ],
+            [announce, *(event for _, event in superseded)],
             returning="h",
         )
-        return Handoff.model_validate(_fields(row))
+        return Handoff.model_validate(rows[0])
 
     async def set_status(
         self,

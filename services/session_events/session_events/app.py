@@ -5,6 +5,7 @@ from __future__ import annotations
 from servicekit.outbox import JetStreamPublisher
 from servicekit.runtime import run_service
 from servicekit.settings import ServiceSettings
+from session_events.group_commit import GroupCommit
 from session_events.handlers import SERVICE, svc
 from session_events.reaper import run_reaper
 from session_events.repository import LogRepository
@@ -27,7 +28,7 @@ async def main(settings: LogSettings | None = None) -> None:
             run_reaper(repo, settings.heartbeat_timeout_seconds, settings.reaper_interval_seconds),
             "reaper",
         )
-        await svc.serve(rt, repo=repo)
+        await svc.serve(rt, repo=repo, appender=GroupCommit(repo))
 
 
 def run() -> None:

@@ -31,6 +31,7 @@ from contracts.session_events import (
 from domain import log_rules
 from domain.errors import DomainError
 from servicekit.service import Service
+from session_events.group_commit import GroupCommit
 from session_events.repository import LockedSession, LogRepository, LogTransaction
 
 SERVICE = "session_events"
@@ -80,26 +81,19 @@ async def open_session(cmd: OpenSession, repo: LogRepository) -> SessionOpenedRe
 
 
 @svc.command(subjects.EVENTS_APPEND)
-async def append(cmd: AppendEvent, repo: LogRepository) -> AppendedReply:
+async def append(cmd: AppendEvent, appender: GroupCommit) -> AppendedReply:
+    """Validate the event's shape here, then let it join the next batch (group_commit),
+    where the session's rules are applied and it is written."""
     event_type = log_rules.parse_event_type(cmd.type)
     parsed = log_rules.validate_payload(event_type, cmd.payload)
     # Measured as stored: UTF-8 bytes of the normalised payload.
     log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
     payload = parsed.model_dump(mode="json")
-    async with repo.transaction() as tx:
-        session = await tx.lock_session(cmd.session_id)
-        if cmd.idempotency_key is not None:
-            earlier = await tx.event_by_key(session.id, cmd.idempotency_key)
-            if earlier is not None:
-                return AppendedReply(event_id=earlier.id, seq=earlier.seq, duplicate=True)
-        causation = await tx.causation(cmd.causation_id)
-        log_rules.check_append(
-            event_type, cmd.actor, session.id, session.is_open, cmd.causation_id, causation
+    return await appender.append(
+        GroupCommit.pending(
+            cmd.session_id, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key
         )
-        event = await tx.append(
-            session, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key
-        )
-    return AppendedReply(event_id=event.id, seq=event.seq)
+    )
 
 
 @svc.command(subjects.EVENTS_GET)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,9 +16,10 @@ from contracts.events import Event, EventType
 from contracts.session_events import SessionView
 from domain.log_rules import CausationFacts, session_not_found
 from servicekit.db import Connection
-from servicekit.outbox import Outbox
+from servicekit.outbox import Outbox, Queued
 
 EVENT_COLUMNS = "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at"
+_EVENT_FIELDS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))
 SESSION_COLUMNS = (
     "id AS session_id, project_id, opened_by, status, termination_reason, "
     "opened_at, closed_at, last_heartbeat_at, last_seq AS event_count"
@@ -40,8 +41,37 @@ class LockedSession:
         return self.status == "open"
 
 
+@dataclass(frozen=True)
+class NewEvent:
+    """An event to write, and the idempotency key its append carried."""
+
+    event: Event
+    idempotency_key: str | None = None
+
+
+def next_event(
+    session: LockedSession,
+    event_type: EventType,
+    actor: str,
+    payload: dict[str, Any],
+    causation_id: UUID | None = None,
+) -> Event:
+    """The event that takes the session's next seq (the caller advances `last_seq`)."""
+    return Event(
+        id=uuid4(),
+        session_id=session.id,
+        project_id=session.project_id,
+        seq=session.last_seq + 1,
+        type=event_type,
+        actor=actor,
+        payload=payload,
+        causation_id=causation_id,
+        created_at=session.now,
+    )
+
+
 def _event(row: asyncpg.Record) -> Event:
-    return Event.model_validate(dict(row))
+    return Event.model_validate({k: row[k] for k in _EVENT_FIELDS})
 
 
 class LogTransaction:
@@ -61,23 +91,42 @@ class LogTransaction:
             raise session_not_found(session_id)
         return LockedSession(**dict(row))
 
-    async def event_by_key(self, session_id: UUID, key: str) -> Event | None:
-        """The event an earlier append with this idempotency key wrote, if any."""
-        row = await self._conn.fetchrow(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = $1 AND idempotency_key = $2",
-            session_id,
-            key,
+    async def lock_sessions(self, session_ids: Iterable[UUID]) -> dict[UUID, LockedSession]:
+        """The sessions that exist among `session_ids`, locked in id order (so replicas
+        locking overlapping sets wait for each other instead of deadlocking)."""
+        rows = await self._conn.fetch(
+            """SELECT id, project_id, status, last_seq, now() AS now
+                 FROM sessions WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE""",
+            sorted(set(session_ids)),
         )
-        return _event(row) if row else None
+        return {r["id"]: LockedSession(**dict(r)) for r in rows}
 
-    async def causation(self, event_id: UUID | None) -> CausationFacts | None:
-        """What the rules need to know of the event named as cause."""
-        if event_id is None:
-            return None
-        row = await self._conn.fetchrow(
-            "SELECT id AS event_id, session_id, type, actor FROM events WHERE id = $1", event_id
+    async def events_by_keys(
+        self, keys: Iterable[tuple[UUID, str]]
+    ) -> dict[tuple[UUID, str], Event]:
+        """The events earlier appends wrote with these (session, idempotency key) pairs."""
+        pairs = list(keys)
+        if not pairs:
+            return {}
+        rows = await self._conn.fetch(
+            f"""SELECT {EVENT_COLUMNS}, idempotency_key FROM events
+                 WHERE (session_id, idempotency_key) IN
+                       (SELECT * FROM unnest($1::uuid[], $2::text[]))""",
+            [s for s, _ in pairs],
+            [k for _, k in pairs],
         )
-        return CausationFacts(**dict(row)) if row else None
+        return {(r["session_id"], r["idempotency_key"]): _event(r) for r in rows}
+
+    async def causations(self, event_ids: Iterable[UUID]) -> dict[UUID, CausationFacts]:
+        """What the rules need to know of each event named as cause that exists."""
+        ids = list(set(event_ids))
+        if not ids:
+            return {}
+        rows = await self._conn.fetch(
+            "SELECT id AS event_id, session_id, type, actor FROM events WHERE id = ANY($1::uuid[])",
+            ids,
+        )
+        return {r["event_id"]: CausationFacts(**dict(r)) for r in rows}
 
     async def append(
         self,
@@ -89,45 +138,54 @@ class LogTransaction:
         idempotency_key: str | None = None,
     ) -> Event:
         """Write the next event of the session and its outbox row (published after commit)."""
-        event = Event(
-            id=uuid4(),
-            session_id=session.id,
-            project_id=session.project_id,
-            seq=session.last_seq + 1,
-            type=event_type,
-            actor=actor,
-            payload=payload,
-            causation_id=causation_id,
-            created_at=session.now,
-        )
-        # The seq bump, the event and its outbox row in one statement: one round trip
-        # while the session's row lock is held (bench/append.py measures why).
-        await Outbox(self._conn).send_with(
-            """bump AS (UPDATE sessions SET last_seq = $4 WHERE id = $2),
-               event AS (
-                  INSERT INTO events (id, session_id, project_id, seq, type, actor,
-                                      payload, causation_id, idempotency_key, created_at)
-                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10))""",
-            [
-                event.id,
-                event.session_id,
-                event.project_id,
-                event.seq,
-                event.type.value,
-                event.actor,
-                event.payload,
-                event.causation_id,
-                idempotency_key,
-                event.created_at,
-            ],
-            subjects.event_subject(event.type, event.project_id, event.session_id),
-            str(event.id),
-            event.model_dump_json().encode(),
-            ordering_key=str(event.session_id),
-        )
+        event = next_event(session, event_type, actor, payload, causation_id)
+        await self.write([NewEvent(event, idempotency_key)])
         # Later appends in the same transaction (close = status + event) see the new seq.
         session.last_seq = event.seq
         return event
+
+    async def write(self, new: Sequence[NewEvent], trace: Sequence[Mapping[str, str]] = ()) -> None:
+        """Write events (seqs already assigned, in order), bump their sessions' `last_seq`
+        and queue one outbox row each, in one statement: one round trip for a whole batch
+        while the sessions' row locks are held (bench/append.py measures why). `trace`:
+        each event's trace headers, when it came from another request than the caller's."""
+        events = [n.event for n in new]
+        last_seq = {e.session_id: e.seq for e in events}  # in order, so the last one wins
+        await Outbox(self._conn).send_many_with(
+            """bump AS (UPDATE sessions s SET last_seq = b.last_seq
+                          FROM unnest($1::uuid[], $2::bigint[]) AS b(id, last_seq)
+                         WHERE s.id = b.id),
+               event AS (
+                  INSERT INTO events (id, session_id, project_id, seq, type, actor,
+                                      payload, causation_id, idempotency_key, created_at)
+                  SELECT * FROM unnest($3::uuid[], $4::uuid[], $5::text[], $6::bigint[],
+                                       $7::text[], $8::text[], $9::jsonb[], $10::uuid[],
+                                       $11::text[], $12::timestamptz[]))""",
+            [
+                list(last_seq),
+                list(last_seq.values()),
+                [e.id for e in events],
+                [e.session_id for e in events],
+                [e.project_id for e in events],
+                [e.seq for e in events],
+                [e.type.value for e in events],
+                [e.actor for e in events],
+                [e.payload for e in events],
+                [e.causation_id for e in events],
+                [n.idempotency_key for n in new],
+                [e.created_at for e in events],
+            ],
+            [
+                Queued(
+                    subjects.event_subject(e.type, e.project_id, e.session_id),
+                    str(e.id),
+                    e.model_dump_json().encode(),
+                    ordering_key=str(e.session_id),
+                    headers=trace[i] if trace else None,
+                )
+                for i, e in enumerate(events)
+            ],
+        )
 
     async def create_session(self, project_id: str, opened_by: str) -> LockedSession:
         """Insert a new open session, locked for the rest of the transaction."""

@@ -1,0 +1,192 @@
+"""Group commit of `cmd.events.append`: appends that arrive together share one transaction.
+
+Each append is validated on its own first (type, payload, size: `handlers.append`), then
+waits here. While a batch is being written the next appends gather, and the next batch
+takes them all: one transaction, the sessions locked once (in id order), one look-up of
+idempotency keys and of causes, one multi-row insert with one outbox row per event and
+one NOTIFY. With one producer a batch is one append, so nothing waits for a timer.
+
+Every rule stays per append: `decide` applies the log's rules to each one against the
+locked sessions, so a refused append gets its own coded error and writes nothing while
+the others of its batch go in. The seq comes from the session row locked `FOR UPDATE`,
+so replicas batching appends to the same session still hand out gap-free seqs. Each
+append is answered only after its batch committed; a batch that fails as a whole is
+rolled back (nothing half-written), and when a statement failed, each of its appends is
+tried again alone, so only the one Postgres cannot keep fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from contracts.events import Event, EventType
+from contracts.session_events import AppendedReply
+from domain import log_rules
+from domain.errors import DomainError
+from domain.log_rules import CausationFacts
+from servicekit.faults import crash_point
+from servicekit.telemetry import inject_headers
+from session_events.repository import LockedSession, LogRepository, NewEvent, next_event
+
+# The most appends one transaction takes; the rest wait for the next batch.
+MAX_BATCH = 256
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One append whose shape is valid, waiting for its batch."""
+
+    session_id: UUID
+    type: EventType
+    actor: str
+    payload: dict[str, Any]
+    causation_id: UUID | None = None
+    idempotency_key: str | None = None
+    # The trace context of the request, carried into the event's outbox row.
+    trace: Mapping[str, str] = field(default_factory=dict)
+
+
+Outcome = AppendedReply | DomainError
+
+
+@dataclass
+class Decided:
+    """What a batch writes, and each append's answer, in the order they came."""
+
+    written: list[NewEvent]
+    trace: list[Mapping[str, str]]
+    outcomes: list[Outcome]
+
+
+def decide(
+    batch: Sequence[Pending],
+    sessions: Mapping[UUID, LockedSession],
+    earlier: Mapping[tuple[UUID, str], Event],
+    causes: Mapping[UUID, CausationFacts],
+    new_event: Callable[..., Event] = next_event,
+) -> Decided:
+    """Each append of `batch` judged by the log's rules, as if they came one by one in this
+    order: the next seq of its session, or a refusal; a repeated idempotency key (earlier,
+    or earlier in the batch) answers with the event its first append wrote."""
+    decided = Decided([], [], [])
+    keyed = dict(earlier)
+    for p in batch:
+        session = sessions.get(p.session_id)
+        key = (p.session_id, p.idempotency_key) if p.idempotency_key is not None else None
+        try:
+            if session is None:
+                raise log_rules.session_not_found(p.session_id)
+            if key is not None and key in keyed:
+                first = keyed[key]
+                decided.outcomes.append(
+                    AppendedReply(event_id=first.id, seq=first.seq, duplicate=True)
+                )
+                continue
+            log_rules.check_append(
+                p.type,
+                p.actor,
+                session.id,
+                session.is_open,
+                p.causation_id,
+                causes.get(p.causation_id) if p.causation_id else None,
+            )
+        except DomainError as refused:
+            decided.outcomes.append(refused)
+            continue
+        event = new_event(session, p.type, p.actor, p.payload, p.causation_id)
+        session.last_seq = event.seq
+        if key is not None:
+            keyed[key] = event
+        decided.written.append(NewEvent(event, p.idempotency_key))
+        decided.trace.append(p.trace)
+        decided.outcomes.append(AppendedReply(event_id=event.id, seq=event.seq))
+    return decided
+
+
+class _StatementFailed(Exception):
+    """A statement of the batch failed: the transaction rolled back, nothing committed."""
+
+
+class GroupCommit:
+    """Gathers concurrent appends into shared transactions (see the module's docstring)."""
+
+    def __init__(self, repo: LogRepository, max_batch: int = MAX_BATCH) -> None:
+        self._repo = repo
+        self._max_batch = max_batch
+        self._waiting: list[tuple[Pending, asyncio.Future[Outcome]]] = []
+        self._writer: asyncio.Task[None] | None = None
+        self.batches = 0  # transactions committed or tried, for tests and benches
+
+    async def append(self, pending: Pending) -> AppendedReply:
+        """Append once the batch it joins committed; raise its refusal when refused."""
+        answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._waiting.append((pending, answer))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_while_waiting())
+        outcome = await answer
+        if isinstance(outcome, DomainError):
+            raise outcome
+        return outcome
+
+    @staticmethod
+    def pending(
+        session_id: UUID,
+        event_type: EventType,
+        actor: str,
+        payload: dict[str, Any],
+        causation_id: UUID | None,
+        idempotency_key: str | None,
+    ) -> Pending:
+        """A `Pending` carrying the current request's trace context."""
+        trace = inject_headers()
+        return Pending(session_id, event_type, actor, payload, causation_id, idempotency_key, trace)
+
+    async def _write_while_waiting(self) -> None:
+        while self._waiting:
+            batch = self._waiting[: self._max_batch]
+            del self._waiting[: self._max_batch]
+            await self._commit(batch)
+
+    async def _commit(self, batch: list[tuple[Pending, asyncio.Future[Outcome]]]) -> None:
+        try:
+            outcomes = await self._transaction([p for p, _ in batch])
+        except _StatementFailed as failed:
+            if len(batch) > 1:  # find the one Postgres refuses; the others go in
+                for one in batch:
+                    await self._commit([one])
+                return
+            _settle(batch, failed.__cause__ or failed)
+        except Exception as exc:  # the commit itself, or the connection: each caller hears
+            _settle(batch, exc)
+        else:
+            for (_, answer), outcome in zip(batch, outcomes, strict=True):
+                if not answer.done():
+                    answer.set_result(outcome)
+
+    async def _transaction(self, batch: list[Pending]) -> list[Outcome]:
+        self.batches += 1
+        async with self._repo.transaction() as tx:
+            try:
+                sessions = await tx.lock_sessions(p.session_id for p in batch)
+                keys = [(p.session_id, p.idempotency_key) for p in batch if p.idempotency_key]
+                earlier = await tx.events_by_keys(keys)
+                causes = await tx.causations(p.causation_id for p in batch if p.causation_id)
+                decided = decide(batch, sessions, earlier, causes)
+                if decided.written:
+                    await tx.write(decided.written, decided.trace)
+                crash_point("append.batch_written")
+            except asyncpg.PostgresError as exc:
+                raise _StatementFailed(repr(exc)) from exc
+        return decided.outcomes
+
+
+def _settle(batch: list[tuple[Pending, asyncio.Future[Outcome]]], exc: BaseException) -> None:
+    for _, answer in batch:
+        if not answer.done():
+            answer.set_exception(exc)

@@ -1,0 +1,243 @@
+"""Group commit of appends: concurrent appends share a transaction and every rule holds.
+
+The batching tests drive a `GroupCommit` of their own against the service's schema (a
+second replica, in effect): appends gathered in one `asyncio.gather` all join its first
+batch, so "in one batch" is certain, not a matter of timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+
+from contracts import streams, subjects
+from contracts.events import EventType
+from contracts.session_events import (
+    AppendedReply,
+    AppendEvent,
+    OpenSession,
+    SessionClosedReply,
+    SessionOpenedReply,
+    SessionRef,
+)
+from domain.errors import DomainError
+from servicekit.client import call
+from servicekit.db import create_pool
+from servicekit.testing import stream_messages, wait_for
+from session_events.group_commit import GroupCommit, Pending
+from session_events.repository import LogRepository
+
+CHAT = EventType.CHAT_MESSAGE
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def pool(database_url: str, log_service: Any) -> AsyncIterator[asyncpg.Pool]:
+    """A pool on the log's schema (migrated by the running service)."""
+    pool = await create_pool(database_url, "session_events")
+    yield pool
+    await pool.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def appender(pool: asyncpg.Pool) -> GroupCommit:
+    return GroupCommit(LogRepository(pool))
+
+
+def chat(session_id: uuid.UUID, text: str, key: str | None = None, **fields: Any) -> Pending:
+    return Pending(session_id, CHAT, "user:ana", {"text": text}, idempotency_key=key, **fields)
+
+
+async def seqs_of(pool: asyncpg.Pool, session_id: uuid.UUID) -> list[int]:
+    rows = await pool.fetch("SELECT seq FROM events WHERE session_id = $1 ORDER BY seq", session_id)
+    return [r["seq"] for r in rows]
+
+
+async def transactions_of(pool: asyncpg.Pool, session_ids: list[uuid.UUID]) -> int:
+    """How many transactions wrote the sessions' events after `session.opened`: rows a
+    transaction inserted share its id (`xmin`)."""
+    count: int = await pool.fetchval(
+        "SELECT count(DISTINCT xmin::text) FROM events WHERE session_id = ANY($1) AND seq > 1",
+        session_ids,
+    )
+    return count
+
+
+async def attempt(appender: GroupCommit, pending: Pending) -> AppendedReply | DomainError:
+    try:
+        return await appender.append(pending)
+    except DomainError as refused:
+        return refused
+
+
+async def test_concurrent_appends_to_one_session_share_a_transaction_in_order(
+    nc: Client, open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    opened = await open_session()
+    sid = opened.session_id
+    replies = await asyncio.gather(*(appender.append(chat(sid, f"m{i}")) for i in range(40)))
+
+    assert appender.batches == 1
+    assert await transactions_of(pool, [sid]) == 1
+    assert [r.seq for r in replies] == list(range(2, 42))  # the order they came in
+    assert await seqs_of(pool, sid) == list(range(1, 42))
+    texts = await pool.fetch(
+        "SELECT payload->>'text' AS t FROM events WHERE session_id = $1 AND seq > 1 ORDER BY seq",
+        sid,
+    )
+    assert [r["t"] for r in texts] == [f"m{i}" for i in range(40)]
+    # Published once each, in seq order (one outbox row per event, one key per session).
+    subject = subjects.event_subject(CHAT, "proj-1", sid)
+    published = await wait_for(
+        lambda: _if_count(stream_messages(nc, streams.EVENTS.name, subject), 40),
+        what="the batch to be published",
+    )
+    ids = [m.headers["Nats-Msg-Id"] for m in published]
+    assert ids == [str(r.event_id) for r in replies]
+
+
+async def _if_count(messages: Any, n: int) -> list[Any] | None:
+    got: list[Any] = await messages
+    return got if len(got) == n else None
+
+
+async def test_concurrent_appends_to_many_sessions_are_gap_free_and_idempotent(
+    open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    sids = [(await open_session()).session_id for _ in range(6)]
+    work = [chat(s, f"{i}", key=f"k{i}") for i in range(8) for s in sids]
+    first = await asyncio.gather(*(appender.append(p) for p in work))
+    assert appender.batches == 1
+    assert await transactions_of(pool, sids) == 1
+    for s in sids:
+        assert await seqs_of(pool, s) == list(range(1, 10))
+
+    # The same keys again, concurrently: the original events come back, nothing is written.
+    again = await asyncio.gather(*(appender.append(p) for p in work))
+    assert [(r.event_id, r.seq, r.duplicate) for r in again] == [
+        (r.event_id, r.seq, True) for r in first
+    ]
+    for s in sids:
+        assert await seqs_of(pool, s) == list(range(1, 10))
+
+
+async def test_a_key_repeated_inside_one_batch_is_written_once(
+    open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    sid = (await open_session()).session_id
+    one, two = await asyncio.gather(
+        appender.append(chat(sid, "once", key="twice-sent")),
+        appender.append(chat(sid, "once", key="twice-sent")),
+    )
+    assert appender.batches == 1
+    assert (one.event_id, one.seq, one.duplicate) == (two.event_id, 2, False)
+    assert (two.seq, two.duplicate) == (2, True)
+    assert await seqs_of(pool, sid) == [1, 2]
+
+
+async def test_a_refused_append_in_a_batch_writes_nothing_and_fails_no_other(
+    nc: Client, open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    sid = (await open_session()).session_id
+    closed = (await open_session()).session_id
+    await call(nc, subjects.SESSIONS_CLOSE, SessionRef(session_id=closed), SessionClosedReply)
+    brief = {"title": "Bakery app", "summary": "Pre-orders"}
+    work = [
+        chat(sid, "before"),
+        chat(uuid.uuid4(), "nowhere"),  # no such session
+        Pending(sid, EventType.ARTIFACT_PRODUCT_BRIEF, "agent:po", brief),  # wrong author
+        chat(sid, "caused", causation_id=uuid.uuid4()),  # no such cause
+        chat(closed, "too late"),  # conversation in a closed session
+        chat(sid, "after"),
+    ]
+    outcomes = await asyncio.gather(*(attempt(appender, p) for p in work))
+
+    assert appender.batches == 1
+    codes = [o.code if isinstance(o, DomainError) else o.seq for o in outcomes]
+    assert codes == [
+        2,
+        "session_not_found",
+        "actor_not_allowed",
+        "causation_not_found",
+        "session_closed",
+        3,
+    ]
+    assert all(isinstance(o, DomainError) and o.message for o in outcomes[1:5])
+    assert await seqs_of(pool, sid) == [1, 2, 3]
+    assert await seqs_of(pool, closed) == [1, 2]  # opened, closed: nothing after
+
+
+async def test_a_value_postgres_refuses_fails_only_its_own_append(
+    open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    """Had the contracts let it through, a NUL in jsonb fails the batch's insert: each
+    append is then tried alone, so only that one fails."""
+    sid = (await open_session()).session_id
+    work = [chat(sid, "fine"), chat(sid, "bad\u0000"), chat(sid, "also fine")]
+    outcomes = await asyncio.gather(*(appender.append(p) for p in work), return_exceptions=True)
+    assert isinstance(outcomes[1], asyncpg.PostgresError)
+    assert [o.seq for o in outcomes if isinstance(o, AppendedReply)] == [2, 3]
+    assert await seqs_of(pool, sid) == [1, 2, 3]
+
+
+async def test_a_crash_mid_batch_writes_nothing(nc: Client, spawn: Any, database_url: str) -> None:
+    doomed = spawn("session_events", AGENTBUS_FAULT_POINTS="append.batch_written")
+    await doomed.wait_ready(nc, "session_events")
+    opened = await call(
+        nc,
+        subjects.SESSIONS_OPEN,
+        OpenSession(project_id="crash", opened_by="user:ana"),
+        SessionOpenedReply,
+    )
+    requests = [
+        AppendEvent(
+            session_id=opened.session_id,
+            type=CHAT.value,
+            actor="user:ana",
+            payload={"text": f"lost {i}"},
+        )
+        for i in range(10)
+    ]
+    with contextlib.suppress(Exception):  # no reply comes: the process died before commit
+        await asyncio.gather(
+            *(call(nc, subjects.EVENTS_APPEND, r, AppendedReply, timeout=3) for r in requests)
+        )
+    assert doomed.wait_exit() != 0
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        state = await conn.fetchrow(
+            """SELECT (SELECT last_seq FROM session_events.sessions WHERE id = $1) AS last_seq,
+                      (SELECT count(*) FROM session_events.events WHERE session_id = $1) AS events,
+                      (SELECT count(*) FROM session_events.outbox
+                        WHERE ordering_key = $1::text AND subject LIKE 'chat.%') AS queued""",
+            opened.session_id,
+        )
+    finally:
+        await conn.close()
+    assert state is not None
+    assert dict(state) == {"last_seq": 1, "events": 1, "queued": 0}
+
+
+@pytest.mark.parametrize("replicas", [2])
+async def test_replicas_batching_the_same_sessions_keep_seqs_gap_free(
+    open_session: Any, pool: asyncpg.Pool, replicas: int
+) -> None:
+    sids = [(await open_session()).session_id for _ in range(3)]
+    writers = [GroupCommit(LogRepository(pool)) for _ in range(replicas)]
+    work = [
+        w.append(chat(s, f"{w_i}-{i}", key=f"{w_i}-{i}"))
+        for i in range(20)
+        for w_i, w in enumerate(writers)
+        for s in sids
+    ]
+    await asyncio.gather(*work)
+    for s in sids:
+        assert await seqs_of(pool, s) == list(range(1, 2 + 20 * replicas))
