@@ -340,3 +340,47 @@ def cpu_table(
         cpu = [usage.ms_per_op.get(k, 0) for k in roles]
         cells.append([[name, clients, *cpu, sum(cpu), usage.cores_ours], [usage.cores_machine]])
     return table([cols, [Col("", 5, ".2f")]], cells, sep=" /", header=header)
+
+
+# -- profiles -------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def py_spy(pid: int, out: Path, rate: int = 200) -> AsyncIterator[Path]:
+    """py-spy (the dev group's) samples `pid` for the life of the block into `out`, as
+    collapsed stacks (`--format raw`); `top_frames` summarises them."""
+    spy = Path(sys.executable).with_name("py-spy")
+    argv = [str(spy), "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking"]
+    argv += ["--format", "raw", "--output", str(out)]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        yield out
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        await proc.wait()
+
+
+def top_frames(collapsed: Path, n: int = 12) -> list[str]:
+    """The `n` functions with the most samples in a collapsed-stack profile, by own time
+    (the frame on top) and by total time (anywhere on the stack), as printable lines."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        k, frames = int(count), stack.split(";")
+        samples += k
+        own[frames[-1]] = own.get(frames[-1], 0) + k
+        for frame in set(frames):
+            total[frame] = total.get(frame, 0) + k
+    lines = [f"  {samples} samples; own time:"]
+    for frame, k in sorted(own.items(), key=lambda kv: -kv[1])[:n]:
+        lines.append(f"    {100 * k / max(samples, 1):5.1f}%  {frame}")
+    lines.append("  total time (on the stack):")
+    for frame, k in sorted(total.items(), key=lambda kv: -kv[1])[:n]:
+        lines.append(f"    {100 * k / max(samples, 1):5.1f}%  {frame}")
+    return lines
