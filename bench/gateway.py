@@ -172,6 +172,7 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     sub = await nc.subscribe(subjects.delta_subject(PROJECT, "*"), cb=on_delta)
     await nc.flush()
     first_ms: list[float] = []
+    unfinished: list[int] = []  # deltas received by each client whose turn never ended
 
     async def chat(k: int, c: WsClient) -> None:
         await asyncio.sleep(k / n * tokens * delay_s)  # spread over one stream's duration
@@ -179,8 +180,14 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
         reply = await c.request({"type": "chat", "text": "Um app para padarias",
                                  "client_msg_id": f"m{k}"})  # fmt: skip
         c.message = reply["event_id"]
-        await asyncio.wait_for(c.dones[c.message].wait(), 120)
+        ended = True
+        try:
+            await asyncio.wait_for(c.dones[c.message].wait(), 120)
+        except TimeoutError:
+            ended = False
         arrived = [a for a in c.arrivals if a[3] == c.message]
+        if not ended:
+            unfinished.append(len(arrived))
         if arrived:
             first_ms.append((min(a[2] for a in arrived) - sent - delay_s) * 1000)
 
@@ -202,6 +209,7 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     await asyncio.gather(*(c.ws.close() for c in clients))
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
             "gateway_leg_ms": gw_leg, "first_delta_ms": first_ms, "unmatched": lost,
+            "unfinished": unfinished,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage}  # fmt: skip
 
 
@@ -219,6 +227,7 @@ def missed(r: dict[str, Any]) -> list[str]:
     """The goals this level missed, as printable lines."""
     p99, cpu, rss = bk.percentile(r["per_token_ms"], 0.99), path_cpu_ms(r), rss_per_connection(r)
     out = [f"per-token p99 {p99:.1f} ms > {GOAL_P99_MS} ms"] if not p99 <= GOAL_P99_MS else []
+    out += [f"turns without their done: {r['unfinished']}"] if r["unfinished"] else []
     out += [f"gateway-path CPU {cpu:.3f} ms per token > {GOAL_CPU_MS}"] if cpu > GOAL_CPU_MS else []
     out += [f"RSS {rss:.1f} KiB per connection > {GOAL_RSS_KIB}"] if rss > GOAL_RSS_KIB else []
     return [f"{r['clients']} clients: {m}" for m in out]
