@@ -29,6 +29,7 @@ from contracts.criativo import AgentDone
 from contracts.events import Event
 from contracts.gateway import DoneFrame, EventFrame
 from contracts.metering import TurnDelta
+from gateway.metrics import FOLLOWED_SESSIONS
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
@@ -159,6 +160,7 @@ class Fanout:
         topic = self._topics.get(key)
         if topic is None:
             topic = self._topics[key] = _Topic(key)
+            FOLLOWED_SESSIONS.inc()
             topic.subscribed = asyncio.ensure_future(topic.subscribe(self._nc))
         topic.followers.append(follower)
         assert topic.subscribed is not None
@@ -179,6 +181,7 @@ class Fanout:
         if topic.followers:
             return
         del self._topics[key]
+        FOLLOWED_SESSIONS.dec()
         assert topic.subscribed is not None
         with contextlib.suppress(Exception):  # a failed subscribe or a closed connection
             await (await topic.subscribed).unsubscribe()
