@@ -173,12 +173,17 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     await nc.flush()
     first_ms: list[float] = []
     unfinished: list[int] = []  # deltas received by each client whose turn never ended
+    refused: list[str] = []  # chats the platform refused (a timeout under overload)
 
     async def chat(k: int, c: WsClient) -> None:
         await asyncio.sleep(k / n * tokens * delay_s)  # spread over one stream's duration
         sent = time.time()
-        reply = await c.request({"type": "chat", "text": "Um app para padarias",
-                                 "client_msg_id": f"m{k}"})  # fmt: skip
+        try:
+            reply = await c.request({"type": "chat", "text": "Um app para padarias",
+                                     "client_msg_id": f"m{k}"})  # fmt: skip
+        except RuntimeError as exc:
+            refused.append(str(exc))
+            return
         c.message = reply["event_id"]
         ended = True
         try:
@@ -209,7 +214,7 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     await asyncio.gather(*(c.ws.close() for c in clients))
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
             "gateway_leg_ms": gw_leg, "first_delta_ms": first_ms, "unmatched": lost,
-            "unfinished": unfinished,
+            "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage}  # fmt: skip
 
 
@@ -228,6 +233,7 @@ def missed(r: dict[str, Any]) -> list[str]:
     p99, cpu, rss = bk.percentile(r["per_token_ms"], 0.99), path_cpu_ms(r), rss_per_connection(r)
     out = [f"per-token p99 {p99:.1f} ms > {GOAL_P99_MS} ms"] if not p99 <= GOAL_P99_MS else []
     out += [f"turns without their done: {r['unfinished']}"] if r["unfinished"] else []
+    out += [f"{len(r['refused'])} chats refused, e.g. {r['refused'][0]}"] if r["refused"] else []
     out += [f"gateway-path CPU {cpu:.3f} ms per token > {GOAL_CPU_MS}"] if cpu > GOAL_CPU_MS else []
     out += [f"RSS {rss:.1f} KiB per connection > {GOAL_RSS_KIB}"] if rss > GOAL_RSS_KIB else []
     return [f"{r['clients']} clients: {m}" for m in out]
@@ -266,17 +272,16 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
         groups = {p.module: [p.pid] for p in procs}
         groups |= {"nats": [srv.nats_pid]} if srv.nats_pid else {}
         results = []
+        if not as_json:
+            print(f"gateway bench: {tokens} tokens per turn, one every {delay_ms} ms; "
+                  f"{os.cpu_count()} cores", flush=True)  # fmt: skip
         for n in levels:
             async with contextlib.AsyncExitStack() as gw_stack:  # a fresh gateway per level
-                results.append(await level(nc, gw_stack, env, srv.state, groups, n, tokens,
-                                           delay_s, profile))  # fmt: skip
-        misses = [m for r in results for m in missed(r)]
-        if as_json:
-            print(json.dumps([summary(r) for r in results], indent=2))
-            return not misses
-        print(f"gateway bench: {tokens} tokens per turn, one every {delay_ms} ms; "
-              f"{os.cpu_count()} cores")  # fmt: skip
-        for r in results:
+                r = await level(nc, gw_stack, env, srv.state, groups, n, tokens, delay_s,
+                                profile)  # fmt: skip
+            results.append(r)
+            if as_json:
+                continue
             hop = r["hop_ms"]
             print(f"{r['clients']} WebSocket clients, one session and one turn each "
                   f"({r['unmatched']} frames without a matching bus delta):")  # fmt: skip
@@ -287,7 +292,11 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
             before, joined, after = (k / 1024 for k in r["rss_kib"])
             print(f"  gateway RSS {before:.1f} → {joined:.1f} MiB with {r['clients']} joined: "
                   f"{(joined - before) * 1024 / r['clients']:.1f} KiB per connection; "
-                  f"{after:.1f} MiB after the turns")  # fmt: skip
+                  f"{after:.1f} MiB after the turns", flush=True)  # fmt: skip
+        misses = [m for r in results for m in missed(r)]
+        if as_json:
+            print(json.dumps([summary(r) for r in results], indent=2))
+            return not misses
         roles = ["gateway", *SERVICES, "nats", "bench"]
         cpu = [("per token", r["clients"], r["cpu"]) for r in results]
         print("\n".join(bk.cpu_table(roles, cpu)))

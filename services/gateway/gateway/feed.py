@@ -46,7 +46,7 @@ from servicekit.sessionlog import SessionLogClient
 log = get_logger(__name__)
 
 # Queues one frame's text for the client: (frame type, text). Never waits on the socket.
-Send = Callable[[str, str], None]
+Send = Callable[[str, str], object]
 # Events that end the turn their `causation_id` caused: no delta of it may follow them.
 OUTCOMES = frozenset(
     {

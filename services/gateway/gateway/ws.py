@@ -81,28 +81,29 @@ class Connection:
         # The session this connection keeps alive (only an open one is).
         self._present: uuid.UUID | None = None
 
-    def send(self, kind: str, text: str) -> None:
-        """Queue a frame's text for the client; disconnect a client that stopped reading.
+    def send(self, kind: str, text: str) -> bool:
+        """Queue a frame's text for the client (False: dropped); disconnect a client that
+        stopped reading.
 
         Never waits: a session's messages are offered to all its connections in one go.
         """
         if self._closing:
-            return
+            return False
         if len(self._outgoing) >= self._hub.settings.max_queued_frames:
             self._closing = True
             WS_SLOW_CLIENT_CLOSES.inc()
             log.warning("client_too_slow", user=self._principal.user, queued=len(self._outgoing))
             # A task of its own: the close may wait on the very socket that is stuck.
             self._too_slow = asyncio.create_task(self._ws.close(CLOSE_TOO_SLOW))
-            return
+            return False
         self._outgoing.append(text)
         self._queued.set()
         frame_sent(kind)
+        return True
 
     def _answer(self, frame: AckFrame | ErrorFrame) -> None:
-        if isinstance(frame, ErrorFrame):
+        if self.send(frame.type, frame.model_dump_json()) and isinstance(frame, ErrorFrame):
             WS_ERROR_FRAMES.labels(frame.code).inc()
-        self.send(frame.type, frame.model_dump_json())
 
     async def _write(self) -> None:
         outgoing = self._outgoing
