@@ -159,7 +159,13 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     clients = await asyncio.gather(*(open_client(url, s) for s in sessions))
     rss_joined = rss_kib(gw.pid)
     for c in clients:  # start Criativo everywhere; the activation reaches the log via outbox
-        await c.request({"type": "start_agent", "agent": "criativo"})
+        for attempt in range(5):  # an overloaded platform answers `unavailable`: retry
+            try:
+                await c.request({"type": "start_agent", "agent": "criativo"})
+                break
+            except RuntimeError as exc:
+                if "unavailable" not in str(exc) or attempt == 4:
+                    raise
     await asyncio.wait_for(asyncio.gather(*(c.activated.wait() for c in clients)), 120)
 
     emitted: dict[tuple[str, int], tuple[float, float]] = {}
