@@ -15,7 +15,15 @@ stream's duration (a steady number of streams in flight, as in bench/metering.py
 against a raw NATS hop of the same deltas at the same rate and concurrency, in the same
 run (bench/metering.py's baseline). Every service runs as its own process.
 
-    .venv/bin/python bench/gateway.py [--clients 100,500] [--tokens 50] [--delay-ms 20] [--json]
+Goals (issue 12), checked at every level; the exit status is 1 when one is missed:
+per-token p99 ≤ 50 ms; ≤ 0.15 ms CPU per token on the gateway path (the processes a token
+crosses after metering published it: NATS and the gateway; the table shows every
+process); ≤ 40 KiB RSS per joined connection. `--profile DIR` records the gateway with
+py-spy during the turns (DIR/gateway-<clients>.txt, collapsed stacks) and prints its top
+frames; the sampler takes CPU of its own, so the figures of such a run are not the goal's.
+
+    .venv/bin/python bench/gateway.py [--clients 100,500] [--tokens 50] [--delay-ms 20]
+                                      [--profile DIR] [--json]
 
 Servers: NATS_URL / DATABASE_URL when set, otherwise embedded ones in a temp dir.
 """
@@ -52,6 +60,10 @@ from servicekit.client import call
 PROJECT = "gwbench"
 SECRET = "bench-secret-" + "x" * 40
 SERVICES = ["session_events", "handoff", "metering", "criativo"]
+GOAL_P99_MS = 50.0
+GOAL_CPU_MS = 0.15
+GOAL_RSS_KIB = 40.0
+GATEWAY_PATH = ("gateway", "nats")
 METERING = Path(__file__).with_name("metering.py")  # its raw-hop baseline, reused as chat.py does
 _spec = importlib.util.spec_from_file_location("bench_metering", METERING)
 assert _spec is not None and _spec.loader is not None
@@ -124,8 +136,8 @@ async def open_client(url: str, session: uuid.UUID) -> WsClient:
 
 
 async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str], logs: Path,
-                groups: dict[str, list[int]], n: int, tokens: int, delay_s: float
-                ) -> dict[str, Any]:  # fmt: skip
+                groups: dict[str, list[int]], n: int, tokens: int, delay_s: float,
+                profile: Path | None) -> dict[str, Any]:  # fmt: skip
     """One level: raw-hop baseline, a fresh gateway, N clients streaming one turn each."""
     base = bench_metering.Receiver()
     base.expected = tokens
@@ -147,7 +159,13 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     clients = await asyncio.gather(*(open_client(url, s) for s in sessions))
     rss_joined = rss_kib(gw.pid)
     for c in clients:  # start Criativo everywhere; the activation reaches the log via outbox
-        await c.request({"type": "start_agent", "agent": "criativo"})
+        for attempt in range(5):  # an overloaded platform answers `unavailable`: retry
+            try:
+                await c.request({"type": "start_agent", "agent": "criativo"})
+                break
+            except RuntimeError as exc:
+                if "unavailable" not in str(exc) or attempt == 4:
+                    raise
     await asyncio.wait_for(asyncio.gather(*(c.activated.wait() for c in clients)), 120)
 
     emitted: dict[tuple[str, int], tuple[float, float]] = {}
@@ -160,23 +178,38 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     sub = await nc.subscribe(subjects.delta_subject(PROJECT, "*"), cb=on_delta)
     await nc.flush()
     first_ms: list[float] = []
+    unfinished: list[int] = []  # deltas received by each client whose turn never ended
+    refused: list[str] = []  # chats the platform refused (a timeout under overload)
 
     async def chat(k: int, c: WsClient) -> None:
         await asyncio.sleep(k / n * tokens * delay_s)  # spread over one stream's duration
         sent = time.time()
-        reply = await c.request({"type": "chat", "text": "Um app para padarias",
-                                 "client_msg_id": f"m{k}"})  # fmt: skip
+        try:
+            reply = await c.request({"type": "chat", "text": "Um app para padarias",
+                                     "client_msg_id": f"m{k}"})  # fmt: skip
+        except RuntimeError as exc:
+            refused.append(str(exc))
+            return
         c.message = reply["event_id"]
-        await asyncio.wait_for(c.dones[c.message].wait(), 120)
+        ended = True
+        try:
+            await asyncio.wait_for(c.dones[c.message].wait(), 120)
+        except TimeoutError:
+            ended = False
         arrived = [a for a in c.arrivals if a[3] == c.message]
+        if not ended:
+            unfinished.append(len(arrived))
         if arrived:
             first_ms.append((min(a[2] for a in arrived) - sent - delay_s) * 1000)
 
     meter = bk.CpuMeter(groups | {"gateway": [gw.pid], "bench": [os.getpid()]})
-    await meter.start()
-    started = time.perf_counter()
-    await asyncio.gather(*(chat(k, c) for k, c in enumerate(clients)))
-    usage = await meter.stop(n * tokens, time.perf_counter() - started)
+    async with contextlib.AsyncExitStack() as spying:
+        if profile is not None:
+            spying.enter_context(bk.py_spy(gw.pid, profile / f"gateway-{n}.txt"))
+        await meter.start()
+        started = time.perf_counter()
+        await asyncio.gather(*(chat(k, c) for k, c in enumerate(clients)))
+        usage = await meter.stop(n * tokens, time.perf_counter() - started)
     await sub.unsubscribe()
     rss_after = rss_kib(gw.pid)
     got = [(at, emitted.get((turn, seq))) for c in clients for turn, seq, at, m in c.arrivals
@@ -187,7 +220,29 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     await asyncio.gather(*(c.ws.close() for c in clients))
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
             "gateway_leg_ms": gw_leg, "first_delta_ms": first_ms, "unmatched": lost,
+            "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage}  # fmt: skip
+
+
+def path_cpu_ms(r: dict[str, Any]) -> float:
+    """CPU ms per token of the processes on the gateway path."""
+    return float(sum(r["cpu"].ms_per_op.get(k, 0.0) for k in GATEWAY_PATH))
+
+
+def rss_per_connection(r: dict[str, Any]) -> float:
+    before, joined, _ = r["rss_kib"]
+    return float((joined - before) / r["clients"])
+
+
+def missed(r: dict[str, Any]) -> list[str]:
+    """The goals this level missed, as printable lines."""
+    p99, cpu, rss = bk.percentile(r["per_token_ms"], 0.99), path_cpu_ms(r), rss_per_connection(r)
+    out = [f"per-token p99 {p99:.1f} ms > {GOAL_P99_MS} ms"] if not p99 <= GOAL_P99_MS else []
+    out += [f"turns without their done: {r['unfinished']}"] if r["unfinished"] else []
+    out += [f"{len(r['refused'])} chats refused, e.g. {r['refused'][0]}"] if r["refused"] else []
+    out += [f"gateway-path CPU {cpu:.3f} ms per token > {GOAL_CPU_MS}"] if cpu > GOAL_CPU_MS else []
+    out += [f"RSS {rss:.1f} KiB per connection > {GOAL_RSS_KIB}"] if rss > GOAL_RSS_KIB else []
+    return [f"{r['clients']} clients: {m}" for m in out]
 
 
 def summary(r: dict[str, Any]) -> dict[str, Any]:
@@ -197,11 +252,14 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
     out |= {f"ratio_{q}": bk.ratio(out["per_token_ms"][q], out["hop_ms"][q]) for q in qs}
     return out | {"clients": r["clients"], "deltas": len(r["per_token_ms"]),
                   "unmatched": r["unmatched"], "rss_kib_before_joined_after": rss,
-                  "rss_kib_per_connection": (rss[1] - rss[0]) / r["clients"],
-                  "cpu_ms_per_token": r["cpu"].ms_per_op}  # fmt: skip
+                  "rss_kib_per_connection": rss_per_connection(r),
+                  "cpu_ms_per_token": r["cpu"].ms_per_op,
+                  "gateway_path_cpu_ms_per_token": path_cpu_ms(r), "missed": missed(r)}  # fmt: skip
 
 
-async def run(levels: list[int], tokens: int, delay_ms: float, as_json: bool) -> None:
+async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | None,
+              as_json: bool) -> bool:  # fmt: skip
+    """Every level measured and printed; whether every goal was met."""
     delay_s = delay_ms / 1000
     async with contextlib.AsyncExitStack() as stack:
         srv = stack.enter_context(bk.servers(prefix="bench-gateway-"))
@@ -220,16 +278,16 @@ async def run(levels: list[int], tokens: int, delay_ms: float, as_json: bool) ->
         groups = {p.module: [p.pid] for p in procs}
         groups |= {"nats": [srv.nats_pid]} if srv.nats_pid else {}
         results = []
+        if not as_json:
+            print(f"gateway bench: {tokens} tokens per turn, one every {delay_ms} ms; "
+                  f"{os.cpu_count()} cores", flush=True)  # fmt: skip
         for n in levels:
             async with contextlib.AsyncExitStack() as gw_stack:  # a fresh gateway per level
-                results.append(await level(nc, gw_stack, env, srv.state, groups, n, tokens,
-                                           delay_s))  # fmt: skip
-        if as_json:
-            print(json.dumps([summary(r) for r in results], indent=2))
-            return
-        print(f"gateway bench: {tokens} tokens per turn, one every {delay_ms} ms; "
-              f"{os.cpu_count()} cores")  # fmt: skip
-        for r in results:
+                r = await level(nc, gw_stack, env, srv.state, groups, n, tokens, delay_s,
+                                profile)  # fmt: skip
+            results.append(r)
+            if as_json:
+                continue
             hop = r["hop_ms"]
             print(f"{r['clients']} WebSocket clients, one session and one turn each "
                   f"({r['unmatched']} frames without a matching bus delta):")  # fmt: skip
@@ -240,10 +298,24 @@ async def run(levels: list[int], tokens: int, delay_ms: float, as_json: bool) ->
             before, joined, after = (k / 1024 for k in r["rss_kib"])
             print(f"  gateway RSS {before:.1f} → {joined:.1f} MiB with {r['clients']} joined: "
                   f"{(joined - before) * 1024 / r['clients']:.1f} KiB per connection; "
-                  f"{after:.1f} MiB after the turns")  # fmt: skip
+                  f"{after:.1f} MiB after the turns", flush=True)  # fmt: skip
+        misses = [m for r in results for m in missed(r)]
+        if as_json:
+            print(json.dumps([summary(r) for r in results], indent=2))
+            return not misses
         roles = ["gateway", *SERVICES, "nats", "bench"]
         cpu = [("per token", r["clients"], r["cpu"]) for r in results]
         print("\n".join(bk.cpu_table(roles, cpu)))
+        for r in results:
+            print(f"  gateway path ({' + '.join(GATEWAY_PATH)}) at {r['clients']} clients: "
+                  f"{path_cpu_ms(r):.3f} ms CPU per token")  # fmt: skip
+        if profile is not None:
+            for n in levels:
+                print(f"py-spy, the gateway at {n} clients ({profile / f'gateway-{n}.txt'}):")
+                print("\n".join(bk.top_frames(profile / f"gateway-{n}.txt")))
+        print(bk.load_average())
+        print("\n".join(["goals missed:", *misses] if misses else ["every goal met"]))
+        return not misses
 
 
 def main() -> None:
@@ -251,10 +323,14 @@ def main() -> None:
     parser.add_argument("--clients", default="100,500")
     parser.add_argument("--tokens", type=int, default=50)
     parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--profile", type=Path, help="record the gateway with py-spy here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
-    uvloop.run(run(levels, args.tokens, args.delay_ms, args.json))
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    met = uvloop.run(run(levels, args.tokens, args.delay_ms, args.profile, args.json))
+    sys.exit(0 if met else 1)
 
 
 if __name__ == "__main__":

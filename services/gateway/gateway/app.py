@@ -21,6 +21,7 @@ from starlette.websockets import WebSocket
 
 from gateway.auth import load_secret
 from gateway.bus import Commands
+from gateway.fanout import Fanout
 from gateway.http import routes
 from gateway.presence import Presence
 from gateway.server import serving_http
@@ -71,7 +72,8 @@ async def main(
             rt.nc, timeout=settings.command_timeout_seconds, caller=commands
         )
         presence = Presence(session_log.heartbeat, settings.heartbeat_interval_seconds)
-        hub = Hub(settings, load_secret(settings.gateway_secret), commands, session_log, presence)
+        secret = load_secret(settings.gateway_secret)
+        hub = Hub(settings, secret, commands, session_log, presence, Fanout(rt.nc))
         try:
             async with serving_http(rt, build_app(hub), settings) as url:
                 log.info("gateway_listening", url=url)

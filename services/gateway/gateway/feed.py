@@ -1,11 +1,14 @@
 """A session's feed for one connection: the log's events after a `seq`, then live, each
 event exactly once and in `seq` order, plus the deltas of the turn in flight.
 
-The seam between replay and live is closed by subscribing *before* reading the log:
-anything committed after the read is published after the subscription started, and
-anything both read and received is dropped by `seq`. A live event whose `seq` jumps
-ahead (a message the subscription missed, or a relay publishing late) makes the feed
-read the missing ones from the log first, so a gap never reaches the client.
+Live messages come from the session's one subscription, shared by its connections
+(`gateway.fanout`), already decoded and encoded as frames. The seam between replay and
+live is closed by following the session *before* reading the log: anything committed
+after the read is published after the subscription started, and anything both read and
+received is dropped by `seq`; what arrives while the feed replays waits in its backlog.
+A live event whose `seq` jumps ahead (a message the subscription missed, or a relay
+publishing late) makes the feed read the missing ones from the log first, so a gap never
+reaches the client.
 
 Deltas live in the short-lived DELTAS stream: on join, the deltas of every turn not yet
 closed by an `agent.done` are replayed from it, then live ones follow, deduplicated by
@@ -25,27 +28,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import deque
+from collections.abc import Callable
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from contracts import streams, subjects
 from contracts.criativo import AgentDone
 from contracts.events import Event, EventType
-from contracts.gateway import DoneFrame, EventFrame
 from contracts.metering import TurnDelta
 from contracts.session_events import EVENTS_PAGE_MAX
+from gateway.fanout import Fanout, Live, LiveDelta, LiveDone, LiveEvent, delta_frame, event_frame
 from servicekit.logs import get_logger
 from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-DELTA_PREFIX, DONE_PREFIX = subjects.DELTA_PREFIX, subjects.DONE_PREFIX
+# Queues one frame's text for the client: (frame type, text). Never waits on the socket.
+Send = Callable[[str, str], object]
 # Events that end the turn their `causation_id` caused: no delta of it may follow them.
 OUTCOMES = frozenset(
     {
@@ -56,30 +57,30 @@ OUTCOMES = frozenset(
 )
 
 
-def session_filter(project_id: str, session_id: uuid.UUID) -> str:
-    """Every event type, delta and done of one session (all are `<a>.<b>.<project>.<session>`)."""
-    return f"*.*.{project_id}.{session_id}"
-
-
 class SessionFeed:
     """Follows one session for one connection until `close()`."""
 
     def __init__(
         self,
         nc: Client,
+        fanout: Fanout,
         session_log: SessionLogClient,
         project_id: str,
         session_id: uuid.UUID,
         send: Send,
     ) -> None:
         self._nc = nc
+        self._fanout = fanout
         self._log = session_log
         self._project = project_id
         self.session_id = session_id
         self._send = send
-        self._inbox: asyncio.Queue[Msg] = asyncio.Queue()
-        self._sub: Subscription | None = None
-        self._pump: asyncio.Task[None] | None = None
+        # Live messages not applied yet: while the feed replays, or reads a gap from the
+        # log. None when the feed is live and has nothing pending: a message is applied
+        # as it arrives, with no task hop.
+        self._backlog: deque[Live] | None = deque()
+        self._catching_up: asyncio.Task[None] | None = None
+        self._following = False
         self.last_seq = 0
         # (turn, seq) already sent, per open turn; forgotten when the turn is done.
         self._sent_deltas: dict[str, set[int]] = {}
@@ -88,38 +89,76 @@ class SessionFeed:
         self._answered: set[uuid.UUID] = set()
 
     async def start(self, after_seq: int) -> None:
-        """Subscribe, replay the log after `after_seq` and the open turns' deltas, go live."""
-        nc = self._nc
-
-        async def enqueue(msg: Msg) -> None:
-            self._inbox.put_nowait(msg)
-
-        self._sub = await nc.subscribe(session_filter(self._project, self.session_id), cb=enqueue)
-        await nc.flush()  # the server knows the subscription before the log is read
+        """Follow, replay the log after `after_seq` and the open turns' deltas, go live."""
+        await self._fanout.follow(self._project, self.session_id, self)
+        self._following = True
         self.last_seq = after_seq
         pending_deltas = await self._open_turn_deltas()
         await self._outcomes_already_sent(pending_deltas, after_seq)
         await self._catch_up()
         # After the log: a turn whose outcome was just sent is dropped here, and the
         # others' deltas still come before their outcome, which is live, later.
-        for frame in pending_deltas:
-            await self._send_delta(frame)
-        self._pump = asyncio.create_task(self._run(), name=f"feed-{self.session_id}")
+        for delta in pending_deltas:
+            self._send_delta(delta, delta_frame(delta))
+        await self._drain()
 
     async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-        if self._pump is not None:
-            self._pump.cancel()
+        if self._following:
+            self._following = False
+            await self._fanout.unfollow(self._project, self.session_id, self)
+        if self._catching_up is not None:
+            self._catching_up.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
+                await self._catching_up
+
+    def offer(self, live: Live) -> None:
+        """A live message of the session (from the fan-out), in the order NATS delivered it."""
+        if self._backlog is not None:
+            self._backlog.append(live)
+        elif not self._apply(live):
+            # An event past a gap: the missing ones are read from the log first, and
+            # whatever arrives meanwhile waits behind it.
+            self._backlog = deque([live])
+            self._catching_up = asyncio.create_task(self._drain(), name=f"feed-{self.session_id}")
+
+    async def _drain(self) -> None:
+        """Apply the backlog in order, reading a gap's events from the log where one shows;
+        the feed is live again once the backlog is empty."""
+        backlog = self._backlog
+        assert backlog is not None
+        while backlog:
+            live = backlog[0]
+            try:
+                if not self._apply(live):
+                    assert isinstance(live, LiveEvent)
+                    await self._catch_up(until_seq=live.event.seq - 1)
+                    self._send_event(live.event, live.frame)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one bad message must not end the feed
+                log.warning("feed_message_dropped", session=str(self.session_id), error=repr(exc))
+            backlog.popleft()
+        self._backlog = None
+
+    def _apply(self, live: Live) -> bool:
+        """Send what the client needs of `live`; False for an event past a gap (not sent)."""
+        if isinstance(live, LiveDelta):
+            self._send_delta(live.delta, live.frame)
+        elif isinstance(live, LiveDone):
+            self._end_turns(live.done)
+            self._send("done", live.frame)
+        elif live.event.seq > self.last_seq + 1:
+            return False
+        else:
+            self._send_event(live.event, live.frame)
+        return True
 
     async def _catch_up(self, until_seq: int | None = None) -> None:
         """Send the log's events after `last_seq` (up to `until_seq`), page by page."""
         async for page in self._log.pages(self.session_id, after_seq=self.last_seq):
             for event in page:
-                await self._send_event(event)
+                if event.seq > self.last_seq:
+                    self._send_event(event, event_frame(event))
             if until_seq is not None and self.last_seq >= until_seq:
                 return
 
@@ -145,14 +184,19 @@ class SessionFeed:
         if event.type in OUTCOMES and event.causation_id is not None:
             self._answered.add(event.causation_id)
 
-    async def _send_event(self, event: Event) -> None:
+    def _end_turns(self, done: AgentDone) -> None:
+        for turn_id in done.turn_ids:
+            self._sent_deltas.pop(turn_id, None)
+        self._closed_turns.update(done.turn_ids)
+
+    def _send_event(self, event: Event, frame: str) -> None:
         if event.seq <= self.last_seq:
             return  # already sent (read from the log and received live)
         self.last_seq = event.seq
         self._note_outcome(event)
-        await self._send(EventFrame(event=event).model_dump(mode="json"))
+        self._send("event", frame)
 
-    async def _send_delta(self, delta: TurnDelta) -> None:
+    def _send_delta(self, delta: TurnDelta, frame: str) -> None:
         if delta.turn_id in self._closed_turns:
             return
         if delta.causation_id is not None and delta.causation_id in self._answered:
@@ -161,18 +205,7 @@ class SessionFeed:
         if delta.seq in seen:
             return
         seen.add(delta.seq)
-        # A `DeltaFrame`, built as a plain dict: this is the per-token path, and a model
-        # round trip per delta was the gateway's largest cost (bench/gateway.py).
-        await self._send(
-            {
-                "type": "delta",
-                "message_id": str(delta.causation_id) if delta.causation_id else None,
-                "turn_id": delta.turn_id,
-                "seq": delta.seq,
-                "text": delta.text,
-                "emitted_at": delta.emitted_at,
-            }
-        )
+        self._send("delta", frame)
 
     async def _open_turn_deltas(self) -> list[TurnDelta]:
         """Deltas of the turns in flight, from the DELTAS stream (a reconnect mid-turn)."""
@@ -198,44 +231,10 @@ class SessionFeed:
                 batch = await sub.fetch(total - got, timeout=5)
                 got += len(batch)
                 for msg in batch:
-                    if msg.subject.startswith(DONE_PREFIX):
-                        done = AgentDone.model_validate_json(msg.data)
-                        self._closed_turns.update(done.turn_ids)
+                    if msg.subject.startswith(subjects.DONE_PREFIX):
+                        self._end_turns(AgentDone.model_validate_json(msg.data))
                     else:
                         deltas.append(TurnDelta.model_validate_json(msg.data))
         finally:
             await sub.unsubscribe()
         return [d for d in deltas if d.turn_id not in self._closed_turns]
-
-    async def _run(self) -> None:
-        while True:
-            msg = await self._inbox.get()
-            try:
-                await self._deliver(msg)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # one bad message must not end the feed
-                log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
-
-    async def _deliver(self, msg: Msg) -> None:
-        if msg.subject.startswith(DELTA_PREFIX):
-            await self._send_delta(TurnDelta.model_validate_json(msg.data))
-            return
-        if msg.subject.startswith(DONE_PREFIX):
-            done = AgentDone.model_validate_json(msg.data)
-            for turn_id in done.turn_ids:
-                self._sent_deltas.pop(turn_id, None)
-            self._closed_turns.update(done.turn_ids)
-            frame = DoneFrame(
-                message_id=done.causation_id,
-                agent=done.agent,
-                turn_ids=done.turn_ids,
-                response_id=done.response_id,
-                error_code=done.error_code,
-            )
-            await self._send(frame.model_dump(mode="json"))
-            return
-        event = Event.model_validate_json(msg.data)
-        if event.seq > self.last_seq + 1:
-            await self._catch_up(until_seq=event.seq - 1)
-        await self._send_event(event)

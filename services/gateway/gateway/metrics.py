@@ -15,6 +15,11 @@ WS_CONNECTIONS = Gauge(
 WS_JOINED_SESSIONS = Gauge(
     "agentbus_gateway_ws_joined_sessions", "WebSocket connections that have joined a session."
 )
+FOLLOWED_SESSIONS = Gauge(
+    "agentbus_gateway_followed_sessions",
+    "Sessions the gateway subscribes to: one NATS subscription each, shared by the "
+    "connections following it.",
+)
 WS_FRAMES_RECEIVED = Counter(
     "agentbus_gateway_ws_frames_received_total",
     "Frames received from clients, by type (`rejected`: too large, not JSON, limited, invalid).",

@@ -52,6 +52,7 @@ async def serving_http(
             app,
             ws="websockets-sansio",
             ws_max_size=WS_MAX_BYTES,
+            ws_per_message_deflate=settings.ws_compression,
             lifespan="off",
             log_config=None,
             access_log=False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from gateway.access import own_session
 from gateway.actions import SessionActions
 from gateway.auth import Principal, verify
 from gateway.bus import Commands
+from gateway.fanout import Fanout
 from gateway.feed import SessionFeed
 from gateway.metrics import (
     WS_CONNECTIONS,
@@ -57,6 +59,7 @@ class Hub:
     commands: Commands
     session_log: SessionLogClient
     presence: Presence
+    fanout: Fanout
 
 
 class Connection:
@@ -67,36 +70,49 @@ class Connection:
         self._ws = ws
         self._principal = principal
         # Frames are written by one task, in order; senders never wait on the socket.
-        self._outgoing: asyncio.Queue[str] = asyncio.Queue(hub.settings.max_queued_frames)
+        # The writer wakes once per loop tick and writes every frame queued by then.
+        self._outgoing: deque[str] = deque()
+        self._queued = asyncio.Event()
         self._closing = False
+        self._too_slow: asyncio.Task[None] | None = None
         self._bucket = TokenBucket(hub.settings.rate_per_second, hub.settings.rate_burst)
         self._feed: SessionFeed | None = None
         self._actions: SessionActions | None = None
         # The session this connection keeps alive (only an open one is).
         self._present: uuid.UUID | None = None
 
-    async def send(self, frame: dict[str, Any]) -> None:
-        """Queue a frame for the client; disconnect a client that stopped reading."""
+    def send(self, kind: str, text: str) -> bool:
+        """Queue a frame's text for the client (False: dropped); disconnect a client that
+        stopped reading.
+
+        Never waits: a session's messages are offered to all its connections in one go.
+        """
         if self._closing:
-            return
-        try:
-            self._outgoing.put_nowait(json.dumps(frame, separators=(",", ":")))
-        except asyncio.QueueFull:
+            return False
+        if len(self._outgoing) >= self._hub.settings.max_queued_frames:
             self._closing = True
             WS_SLOW_CLIENT_CLOSES.inc()
-            log.warning("client_too_slow", user=self._principal.user, queued=self._outgoing.qsize())
-            await self._ws.close(CLOSE_TOO_SLOW)
-            return
-        kind = frame.get("type")
-        frame_sent(kind if isinstance(kind, str) else "unknown")
-        if kind == "error":
-            WS_ERROR_FRAMES.labels(str(frame.get("code"))).inc()
+            log.warning("client_too_slow", user=self._principal.user, queued=len(self._outgoing))
+            # A task of its own: the close may wait on the very socket that is stuck.
+            self._too_slow = asyncio.create_task(self._ws.close(CLOSE_TOO_SLOW))
+            return False
+        self._outgoing.append(text)
+        self._queued.set()
+        frame_sent(kind)
+        return True
+
+    def _answer(self, frame: AckFrame | ErrorFrame) -> None:
+        if self.send(frame.type, frame.model_dump_json()) and isinstance(frame, ErrorFrame):
+            WS_ERROR_FRAMES.labels(frame.code).inc()
 
     async def _write(self) -> None:
+        outgoing = self._outgoing
         try:
             while True:
-                text = await self._outgoing.get()
-                await self._ws.send_text(text)
+                await self._queued.wait()
+                self._queued.clear()
+                while outgoing:
+                    await self._ws.send_text(outgoing.popleft())
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client is gone: the reader sees the disconnect and cleans up
 
@@ -154,9 +170,9 @@ class Connection:
                 client_msg_id=getattr(frame, "client_msg_id", None),
                 result=result,
             )
-            await self.send(ack.model_dump(mode="json"))
+            self._answer(ack)
         except DomainError as exc:
-            await self.send(ErrorFrame(code=exc.code, message=exc.message, ref=ref).model_dump())
+            self._answer(ErrorFrame(code=exc.code, message=exc.message, ref=ref))
         finally:
             frame_received(kind)
 
@@ -175,12 +191,17 @@ class Connection:
         await self._leave()
         feed = SessionFeed(
             hub.commands.nc,
+            hub.fanout,
             hub.session_log,
             self._principal.project_id,
             frame.session_id,
             self.send,
         )
-        await feed.start(frame.after_seq)
+        try:
+            await feed.start(frame.after_seq)
+        except BaseException:
+            await feed.close()
+            raise
         self._feed = feed
         WS_JOINED_SESSIONS.inc()
         self._actions = SessionActions(

@@ -1,0 +1,187 @@
+"""One NATS subscription per followed session, shared by every connection that follows it.
+
+A message of a session (an event, a delta, a done) is decoded and encoded as the frame
+its clients get once, here, however many connections follow the session; each
+connection's `SessionFeed` then only decides whether it still needs that frame (its own
+`seq`, dedupe and outcome state) and queues the same text. The per-token cost of a
+session with many clients is one decode and one encode, not one of each per client.
+
+Messages of a session reach its feeds in the order NATS delivered them: one
+subscription, one callback, feeds offered each message in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import ValidationError
+
+from contracts import subjects
+from contracts.criativo import AgentDone
+from contracts.events import Event
+from contracts.gateway import DoneFrame, EventFrame
+from contracts.metering import TurnDelta
+from gateway.metrics import FOLLOWED_SESSIONS
+from servicekit.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveDelta:
+    """A delta off the bus, with its `delta` frame's text."""
+
+    delta: TurnDelta
+    frame: str
+
+
+@dataclass(frozen=True, slots=True)
+class LiveDone:
+    """An `agent.done` off the bus, with its `done` frame's text."""
+
+    done: AgentDone
+    frame: str
+
+
+@dataclass(frozen=True, slots=True)
+class LiveEvent:
+    """A persisted event off the bus, with its `event` frame's text."""
+
+    event: Event
+    frame: str
+
+
+Live = LiveDelta | LiveDone | LiveEvent
+
+
+def delta_frame(delta: TurnDelta) -> str:
+    """The text of a `DeltaFrame`, built as a plain dict and encoded by orjson: the
+    per-token path, where a model round trip per delta, then `json.dumps`, were the
+    gateway's largest costs after the socket (bench/gateway.py)."""
+    frame = {
+        "type": "delta",
+        "message_id": delta.causation_id,  # orjson writes a UUID as its string
+        "turn_id": delta.turn_id,
+        "seq": delta.seq,
+        "text": delta.text,
+        "emitted_at": delta.emitted_at,
+    }
+    return orjson.dumps(frame).decode()
+
+
+def done_frame(done: AgentDone) -> str:
+    """The text of the `DoneFrame` that tells clients a turn ended."""
+    return DoneFrame(
+        message_id=done.causation_id,
+        agent=done.agent,
+        turn_ids=done.turn_ids,
+        response_id=done.response_id,
+        error_code=done.error_code,
+    ).model_dump_json()
+
+
+def event_frame(event: Event) -> str:
+    """The text of the `EventFrame` carrying a persisted event."""
+    return EventFrame(event=event).model_dump_json()
+
+
+def decode(subject: str, data: bytes) -> Live:
+    """A session subject's message, validated once (the bus is not trusted) and encoded."""
+    if subject.startswith(subjects.DELTA_PREFIX):
+        delta = TurnDelta.model_validate_json(data)
+        return LiveDelta(delta, delta_frame(delta))
+    if subject.startswith(subjects.DONE_PREFIX):
+        done = AgentDone.model_validate_json(data)
+        return LiveDone(done, done_frame(done))
+    event = Event.model_validate_json(data)
+    return LiveEvent(event, event_frame(event))
+
+
+def session_filter(project_id: str, session_id: uuid.UUID) -> str:
+    """Every event type, delta and done of one session (all are `<a>.<b>.<project>.<session>`)."""
+    return f"*.*.{project_id}.{session_id}"
+
+
+class Follower(Protocol):
+    """What the fan-out hands a session's messages to (a connection's `SessionFeed`)."""
+
+    def offer(self, live: Live) -> None: ...
+
+
+@dataclass(eq=False)
+class _Topic:
+    """One followed session: its subscription and the feeds following it."""
+
+    subject: str
+    followers: list[Follower] = field(default_factory=list)
+    subscribed: asyncio.Future[Subscription] | None = None
+
+    async def subscribe(self, nc: Client) -> Subscription:
+        sub = await nc.subscribe(self.subject, cb=self.dispatch)
+        await nc.flush()  # the server knows the subscription before any feed reads the log
+        return sub
+
+    async def dispatch(self, msg: Msg) -> None:
+        try:
+            live = decode(msg.subject, msg.data)
+        except ValidationError as exc:  # one bad message must not end the feeds
+            log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
+            return
+        for follower in tuple(self.followers):
+            try:
+                follower.offer(live)
+            except Exception as exc:  # nor a feed's failure reach the others
+                log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
+
+
+class Fanout:
+    """The gateway's subscriptions to the sessions its connections follow."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._topics: dict[str, _Topic] = {}
+
+    def following(self) -> int:
+        """How many sessions have a subscription now."""
+        return len(self._topics)
+
+    async def follow(self, project_id: str, session_id: uuid.UUID, follower: Follower) -> None:
+        """Offer `follower` every message of the session from now on; returns once the
+        NATS server has the subscription, so a log read after it misses nothing."""
+        key = session_filter(project_id, session_id)
+        topic = self._topics.get(key)
+        if topic is None:
+            topic = self._topics[key] = _Topic(key)
+            FOLLOWED_SESSIONS.inc()
+            topic.subscribed = asyncio.ensure_future(topic.subscribe(self._nc))
+        topic.followers.append(follower)
+        assert topic.subscribed is not None
+        try:
+            # shielded: a join given up must not cancel the subscription others wait on
+            await asyncio.shield(topic.subscribed)
+        except BaseException:
+            await self.unfollow(project_id, session_id, follower)
+            raise
+
+    async def unfollow(self, project_id: str, session_id: uuid.UUID, follower: Follower) -> None:
+        """Stop offering the session to `follower`; the last one out unsubscribes."""
+        key = session_filter(project_id, session_id)
+        topic = self._topics.get(key)
+        if topic is None or follower not in topic.followers:
+            return
+        topic.followers.remove(follower)
+        if topic.followers:
+            return
+        del self._topics[key]
+        FOLLOWED_SESSIONS.dec()
+        assert topic.subscribed is not None
+        with contextlib.suppress(Exception):  # a failed subscribe or a closed connection
+            await (await topic.subscribed).unsubscribe()
