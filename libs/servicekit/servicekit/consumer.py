@@ -49,7 +49,7 @@ from servicekit.metrics import (
     DEAD_LETTERS,
 )
 from servicekit.patience import is_unavailable
-from servicekit.telemetry import destination, messaging_attributes, span_from_headers
+from servicekit.telemetry import destination, handling_span
 
 log = get_logger(__name__)
 
@@ -252,17 +252,16 @@ class DurableConsumer:
             elapsed = time.perf_counter() - started
             CONSUMER_HANDLER_SECONDS.labels(durable, outcome).observe(elapsed)
 
-        attributes = messaging_attributes(
+        with handling_span(
+            f"process {destination(msg.subject)}",
+            msg.headers,
+            SpanKind.CONSUMER,
             msg.subject,
-            "process",
-            "process",
             **{
                 messaging.MESSAGING_CONSUMER_GROUP_NAME: durable,
                 messaging.MESSAGING_MESSAGE_ID: msg_id,
             },
-        )
-        name = f"process {destination(msg.subject)}"
-        with span_from_headers(name, msg.headers, SpanKind.CONSUMER, **attributes):
+        ):
             try:
                 await self._handler(msg)
             except Permanent as exc:

@@ -37,7 +37,7 @@ from contracts.common import ErrorBody, ErrorCode, ErrorReply, Message
 from domain.errors import DomainError
 from servicekit.logs import get_logger
 from servicekit.metrics import COMMAND_ERRORS, COMMAND_SECONDS
-from servicekit.telemetry import messaging_attributes, span_from_headers
+from servicekit.telemetry import handling_span
 
 log = get_logger(__name__)
 
@@ -199,9 +199,8 @@ class Endpoints:
 
     async def _answer(self, command: Command, request: Request, stats: _MicroStats) -> None:
         started = time.perf_counter_ns()
-        attributes = messaging_attributes(command.subject, "process", "process")
-        with span_from_headers(
-            command.subject, request.headers, SpanKind.SERVER, **attributes
+        with handling_span(
+            command.subject, request.headers, SpanKind.SERVER, command.subject
         ) as span:
             answer = await self.answer(command, request.data)
             if answer.error is not None:

@@ -170,6 +170,31 @@ def span_from_headers(
 
 
 @contextmanager
+def handling_span(
+    name: str,
+    headers: Mapping[str, str] | None,
+    kind: SpanKind,
+    subject: str,
+    **more: AttributeValue | None,
+) -> Iterator[trace.Span]:
+    """A SERVER or CONSUMER span around handling a message that came with `headers`.
+
+    With tracing off, the context that came in is made current and nothing else is done
+    (no span, no attributes): what the handler sends and logs still carries the trace.
+    """
+    if not tracing_on():
+        token = context.attach(propagate.extract(dict(headers or {})))
+        try:
+            yield trace.get_current_span()
+        finally:
+            context.detach(token)
+        return
+    attributes = messaging_attributes(subject, "process", "process", **more)
+    with span_from_headers(name, headers, kind, **attributes) as span:
+        yield span
+
+
+@contextmanager
 def request_span(
     subject: str, carried: Mapping[str, str] | None = None
 ) -> Iterator[dict[str, str]]:
@@ -177,6 +202,9 @@ def request_span(
 
     With `carried` headers (an outbox row's), the span continues the trace they carry
     rather than the current one (see `publish_span`)."""
+    if not tracing_on():
+        yield _passed_on(carried)
+        return
     attributes = messaging_attributes(subject, "send", "request")
     with _outgoing(f"send {subject}", SpanKind.CLIENT, attributes, carried) as headers:
         yield headers
@@ -186,6 +214,9 @@ def request_span(
 def publish_span(subject: str, carried: Mapping[str, str], msg_id: str) -> Iterator[dict[str, str]]:
     """A PRODUCER span around a JetStream publish that continues the trace `carried` holds
     (the trace an outbox row was written in); yields the headers to publish with."""
+    if not tracing_on():
+        yield _passed_on(carried)
+        return
     attributes = messaging_attributes(
         subject, "send", "publish", **{messaging.MESSAGING_MESSAGE_ID: msg_id}
     )
@@ -193,6 +224,11 @@ def publish_span(subject: str, carried: Mapping[str, str], msg_id: str) -> Itera
         f"publish {destination(subject)}", SpanKind.PRODUCER, attributes, carried
     ) as headers:
         yield headers
+
+
+def _passed_on(carried: Mapping[str, str] | None) -> dict[str, str]:
+    """With tracing off: the trace as it came (the row's, or the current one), no span."""
+    return inject_headers() if carried is None else dict(carried)
 
 
 @contextmanager
@@ -229,6 +265,9 @@ def new_trace(name: str, kind: SpanKind, **attributes: AttributeValue) -> Iterat
     For a unit of work inside a long-lived one — a WebSocket frame inside its
     connection — so each frame is its own trace rather than one trace per connection.
     """
+    if not tracing_on():
+        yield trace.get_current_span()
+        return
     current = trace.get_current_span().get_span_context()
     links = [trace.Link(current)] if current.is_valid else []
     with tracer.start_as_current_span(

@@ -21,7 +21,7 @@ from opentelemetry.util.types import AttributeValue
 
 from contracts.metering import ChatMessage, ReplyBlock, TokenUsage, ToolSpec
 from servicekit.logs import get_logger
-from servicekit.telemetry import tracer
+from servicekit.telemetry import tracer, tracing_on
 
 # A server asking for a longer wait than this is answered with an error now.
 MAX_RETRY_AFTER_SECONDS = 60.0
@@ -111,6 +111,8 @@ def traced(complete: Complete) -> Complete:
     async def call(
         self: Provider, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:
+        if not tracing_on():
+            return await complete(self, request, progress, on_text)
         attributes: dict[str, AttributeValue] = {
             gen_ai.GEN_AI_OPERATION_NAME: "chat",
             gen_ai.GEN_AI_PROVIDER_NAME: self.name,
