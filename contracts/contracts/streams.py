@@ -16,19 +16,30 @@ class StreamSpec:
     subjects: list[str]
     description: str
     max_age_seconds: float = 0  # 0 = keep forever
+    max_bytes: int = -1  # -1 = no limit; past it the oldest messages go
     duplicate_window_seconds: float = 120
     max_msg_size: int = -1
     storage: str = "file"
     extra: dict[str, str] = field(default_factory=dict)
 
 
-# The log of record: every committed event. The Nats-Msg-Id is the event id, so a
-# relay that republishes inside the duplicate window is deduplicated by the server;
-# beyond it consumers' idempotency takes over (DESIGN.md, rules learned the hard way).
+# Every committed event. The Nats-Msg-Id is the event id, so a relay that republishes
+# inside the duplicate window is deduplicated by the server; beyond it consumers'
+# idempotency takes over (DESIGN.md, rules learned the hard way).
+# Bounded (issue 14): the log in Postgres is the record, the stream only carries it to
+# the consumers, and `agentbus republish` sends the log's events again. A week covers a
+# consumer down over a long weekend; the bytes bound keeps a flood from filling the
+# disk, and fits under the servers' `max_file_store` (deploy/nats, deploy/k8s: 10 GB,
+# 16 GB), which JetStream reserves it against. Consumers' claims are kept this max_age
+# plus a margin (servicekit.retention).
+EVENTS_MAX_AGE_SECONDS = 7 * 24 * 3600
+EVENTS_MAX_BYTES = 2 * 1024**3
 EVENTS = StreamSpec(
     name="EVENTS",
     subjects=[subjects.event_filter(t) for t in EventType],
     description="Every event committed to the session log, by type, project and session.",
+    max_age_seconds=EVENTS_MAX_AGE_SECONDS,
+    max_bytes=EVENTS_MAX_BYTES,
     max_msg_size=1024 * 1024,
 )
 

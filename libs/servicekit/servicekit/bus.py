@@ -101,6 +101,7 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> StreamConfig:
         subjects=list(spec.subjects),
         storage=StorageType.FILE if spec.storage == "file" else StorageType.MEMORY,
         max_age=spec.max_age_seconds,
+        max_bytes=spec.max_bytes,
         duplicate_window=spec.duplicate_window_seconds,
         max_msg_size=spec.max_msg_size,
         num_replicas=replicas,
@@ -128,7 +129,14 @@ async def provision_streams(
 def _mismatches(spec: StreamSpec, found: StreamConfig, replicas: int) -> list[str]:
     want = stream_config(spec, replicas)
     problems = []
-    for name in ("storage", "max_age", "duplicate_window", "max_msg_size", "num_replicas"):
+    for name in (
+        "storage",
+        "max_age",
+        "max_bytes",
+        "duplicate_window",
+        "max_msg_size",
+        "num_replicas",
+    ):
         if getattr(found, name) != getattr(want, name):
             problems.append(f"{name} is {getattr(found, name)}, expected {getattr(want, name)}")
     if set(found.subjects or []) != set(want.subjects or []):

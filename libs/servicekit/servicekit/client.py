@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 from contracts.catalog import Command
 from contracts.common import ErrorReply, Message
 from domain.errors import DomainError
-from servicekit.telemetry import inject_headers
+from servicekit.telemetry import request_span
 
 Rep = TypeVar("Rep", bound=BaseModel)
 # A command's models, as the catalog types them.
@@ -80,9 +80,10 @@ async def call(
         subject = command
     if reply_model is None:
         raise TypeError(f"call({subject!r}): name the reply model, or pass the catalog's Command")
-    msg = await nc.request(
-        subject, request.model_dump_json().encode(), timeout=timeout, headers=inject_headers()
-    )
+    with request_span(subject) as headers:
+        msg = await nc.request(
+            subject, request.model_dump_json().encode(), timeout=timeout, headers=headers
+        )
     return parse_reply(msg.data, reply_model)
 
 

@@ -35,6 +35,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
+from opentelemetry.semconv._incubating.attributes import messaging_attributes as messaging
+from opentelemetry.trace import SpanKind
 
 from contracts import subjects
 from servicekit.cancellation import raise_if_cancelling
@@ -47,7 +49,7 @@ from servicekit.metrics import (
     DEAD_LETTERS,
 )
 from servicekit.patience import is_unavailable
-from servicekit.telemetry import span_from_headers
+from servicekit.telemetry import destination, handling_span
 
 log = get_logger(__name__)
 
@@ -250,7 +252,16 @@ class DurableConsumer:
             elapsed = time.perf_counter() - started
             CONSUMER_HANDLER_SECONDS.labels(durable, outcome).observe(elapsed)
 
-        with span_from_headers(f"consume {self.spec.durable}", msg.headers, subject=msg.subject):
+        with handling_span(
+            f"process {destination(msg.subject)}",
+            msg.headers,
+            SpanKind.CONSUMER,
+            msg.subject,
+            **{
+                messaging.MESSAGING_CONSUMER_GROUP_NAME: durable,
+                messaging.MESSAGING_MESSAGE_ID: msg_id,
+            },
+        ):
             try:
                 await self._handler(msg)
             except Permanent as exc:
@@ -277,6 +288,7 @@ class DurableConsumer:
                 )
                 await msg.nak(delay=delay)
                 return
+            log.debug("message_handled", consumer=durable, subject=msg.subject, msg_id=msg_id)
         took("ack")
         await msg.ack()
 

@@ -30,13 +30,14 @@ from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Endpoint, EndpointConfig, Service
+from opentelemetry.trace import SpanKind, StatusCode
 from pydantic import BaseModel, ValidationError
 
 from contracts.common import ErrorBody, ErrorCode, ErrorReply, Message
 from domain.errors import DomainError
 from servicekit.logs import get_logger
 from servicekit.metrics import COMMAND_ERRORS, COMMAND_SECONDS
-from servicekit.telemetry import span_from_headers
+from servicekit.telemetry import handling_span
 
 log = get_logger(__name__)
 
@@ -198,8 +199,22 @@ class Endpoints:
 
     async def _answer(self, command: Command, request: Request, stats: _MicroStats) -> None:
         started = time.perf_counter_ns()
-        with span_from_headers(command.subject, request.headers):
+        with handling_span(
+            command.subject, request.headers, SpanKind.SERVER, command.subject
+        ) as span:
             answer = await self.answer(command, request.data)
+            if answer.error is not None:
+                span.set_attribute("error.type", answer.error.code)
+                span.set_status(StatusCode.ERROR, answer.error.code)
+            await self._reply(command, request, answer)
+            log.debug(
+                "command_answered",
+                subject=command.subject,
+                error=answer.error.code if answer.error else None,
+            )
+        stats.record(time.perf_counter_ns() - started, answer.error)
+
+    async def _reply(self, command: Command, request: Request, answer: Answer) -> None:
         try:
             if answer.error is None:
                 await request.respond(answer.body)
@@ -211,7 +226,6 @@ class Endpoints:
                 await request.respond_error(answer.error.code, description, answer.body)
         except Exception as exc:  # published without a reply subject, or the bus went away
             log.warning("command_reply_failed", subject=command.subject, error=repr(exc))
-        stats.record(time.perf_counter_ns() - started, answer.error)
 
     async def handle_raw(self, command: Command, data: bytes) -> bytes:
         """Parse, validate, run and serialise one request; every failure becomes an error reply."""

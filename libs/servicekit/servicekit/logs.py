@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
+from opentelemetry import trace
+
+
+def add_trace_ids(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """A structlog processor: the current span's `trace_id` and `span_id` on the line, so
+    a line can be found from its trace and a trace from its lines."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", f"{ctx.trace_id:032x}")
+        event_dict.setdefault("span_id", f"{ctx.span_id:016x}")
+    return event_dict
 
 
 def configure_logging(service: str, level: str = "INFO", fmt: str = "auto") -> None:
@@ -19,9 +34,15 @@ def configure_logging(service: str, level: str = "INFO", fmt: str = "auto") -> N
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        add_trace_ids,
     ]
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        # A line below the level is dropped first, before any processor spends time on it.
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,

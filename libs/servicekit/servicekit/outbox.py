@@ -49,7 +49,7 @@ from servicekit.db import Connection
 from servicekit.faults import crash_point
 from servicekit.logs import get_logger
 from servicekit.metrics import DEAD_LETTERS
-from servicekit.telemetry import inject_headers
+from servicekit.telemetry import inject_headers, publish_span, request_span
 
 log = get_logger(__name__)
 
@@ -332,13 +332,15 @@ class JetStreamPublisher:
         return await in_key_order(rows, self._publish)
 
     async def _publish(self, row: OutboxRow) -> Delivery:
-        headers = {**row.headers, "Nats-Msg-Id": row.msg_id}
-        try:
-            await self._js.publish(
-                row.subject, row.body, timeout=SEND_TIMEOUT_SECONDS, headers=headers
-            )
-        except Exception as exc:  # no stream, timeout, connection lost: retry later
-            return Delivery(repr(exc) or type(exc).__name__)
+        carried = {**row.headers, "Nats-Msg-Id": row.msg_id}
+        # The row carries the trace it was written in: the publish continues it.
+        with publish_span(row.subject, carried, row.msg_id) as headers:
+            try:
+                await self._js.publish(
+                    row.subject, row.body, timeout=SEND_TIMEOUT_SECONDS, headers=headers
+                )
+            except Exception as exc:  # no stream, timeout, connection lost: retry later
+                return Delivery(repr(exc) or type(exc).__name__)
         return DELIVERED
 
 
@@ -355,9 +357,10 @@ class LogAppender:
 
     async def _append(self, row: OutboxRow) -> Delivery:
         try:
-            reply = await self._nc.request(
-                row.subject, row.body, timeout=SEND_TIMEOUT_SECONDS, headers=row.headers
-            )
+            with request_span(row.subject, row.headers) as headers:
+                reply = await self._nc.request(
+                    row.subject, row.body, timeout=SEND_TIMEOUT_SECONDS, headers=headers
+                )
         except Exception as exc:
             return Delivery(repr(exc) or type(exc).__name__)
         if not reply.data.startswith(b'{"error":'):

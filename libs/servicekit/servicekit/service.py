@@ -52,6 +52,7 @@ from servicekit.db import Connection
 from servicekit.endpoint import Endpoints
 from servicekit.metrics import CONSUMER_PENDING
 from servicekit.outbox import Outbox
+from servicekit.retention import Retention, RetentionPolicy
 from servicekit.runtime import Runtime, open_runtime, wait_until_stopped
 from servicekit.settings import ServiceSettings
 
@@ -204,6 +205,10 @@ class Service:
         endpoints = self.endpoints(given)
         for sub in self.subscriptions:
             await self._start(rt, sub, given)
+        if rt.db is not None and rt.schema is not None:
+            consumed = [sub.spec_for(rt.settings).stream for sub in self.subscriptions]
+            policy = RetentionPolicy.for_service(rt.settings, consumed)
+            rt.background(Retention(rt.db, rt.schema, policy).run(), "retention")
         # Announced last: a replica `$SRV.PING` finds is consuming already.
         service = await endpoints.start(
             rt.nc,

@@ -54,3 +54,10 @@ class ServiceSettings(BaseSettings):
     # timeouts, `unavailable` replies) before it reports the outage (issue 13): about
     # as long as a person waits for an answer.
     dependency_wait_seconds: float = 60.0
+    # Retention of the kit's tables (servicekit.retention): claims are kept the longest
+    # max_age of the streams a service consumes plus this margin; dead letters this many
+    # days; pruned every interval, in batches.
+    claims_margin_seconds: float = 24 * 3600.0
+    dead_letter_retention_days: float = 14.0
+    retention_interval_seconds: float = 3600.0
+    retention_batch: int = 5000

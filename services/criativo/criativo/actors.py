@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from uuid import UUID
+
+from opentelemetry.context import Context
 
 from contracts.events import Event
 from criativo.session import SessionWork
@@ -28,6 +30,7 @@ from domain import criativo as rules
 from domain.criativo import Admission, Conversation, Inbound
 from servicekit.logs import get_logger
 from servicekit.metrics import Gauge
+from servicekit.telemetry import current_trace, within
 
 log = get_logger(__name__)
 
@@ -42,6 +45,9 @@ class Letter:
     event: Event
     deliveries: int
     outcome: asyncio.Future[None]
+    # The trace of the delivery that posted it: the turn continues it (the actor's
+    # task was started by another input, in another trace).
+    trace: Context = field(default_factory=current_trace)
 
 
 class SessionActor:
@@ -92,9 +98,10 @@ class SessionActor:
             letters = self._letters.pop(inbound.event_id)
             first = letters[0]
             try:
-                self.conv = await self._work.handle(
-                    self.conv, first.event, max(x.deliveries for x in letters)
-                )
+                with within(first.trace):
+                    self.conv = await self._work.handle(
+                        self.conv, first.event, max(x.deliveries for x in letters)
+                    )
             except Exception as exc:
                 log.warning(
                     "session_input_failed",

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+from opentelemetry.trace import Span
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import Match, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
@@ -31,6 +34,7 @@ from servicekit.logs import get_logger
 from servicekit.runtime import run_service
 from servicekit.service import Service
 from servicekit.sessionlog import SessionLogClient
+from servicekit.telemetry import tracing_on
 
 SERVICE = "gateway"
 VERSION = "0.1.0"
@@ -51,7 +55,7 @@ def build_app(hub: Hub) -> Starlette:
     async def healthz(_: Request) -> Response:
         return JSONResponse({"ok": True})
 
-    return Starlette(
+    app = Starlette(
         routes=[
             *routes(hub),
             WebSocketRoute("/ws", ws),
@@ -59,6 +63,45 @@ def build_app(hub: Hub) -> Starlette:
             Mount("/", StaticFiles(directory=WEB, html=True), name="web"),
         ]
     )
+    if tracing_on():
+        # Only when spans are recorded: the middleware costs time on every request even
+        # unrecorded. A span per request and per WebSocket connection, none per message
+        # sent or received (a token's frame must stay cheap).
+        app.add_middleware(
+            OpenTelemetryMiddleware,
+            exclude_spans=["receive", "send"],
+            default_span_details=_route_of(app),
+            server_request_hook=_without_token,
+        )
+    return app
+
+
+def _route_of(app: Starlette) -> Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]:
+    """A request's span name and `http.route` by its route's template, not its path: the
+    path holds ids, which would make every span name unique."""
+
+    def details(scope: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        for route in app.routes:
+            if route.matches(scope)[0] is Match.FULL:
+                template = getattr(route, "path", "") or "/"
+                method = scope.get("method")
+                return (f"{method} {template}" if method else template), {"http.route": template}
+        return scope.get("method") or "HTTP", {}
+
+    return details
+
+
+def _without_token(span: Span, scope: dict[str, Any]) -> None:
+    """The WebSocket's token rides in its query string (`/ws?token=`): keep it out of the
+    span's URL attributes (the instrumentation redacts only a few cloud signatures)."""
+    recorded = getattr(span, "attributes", None)
+    if not span.is_recording() or not scope.get("query_string") or recorded is None:
+        return
+    for name in ("http.url", "url.full"):
+        if name in recorded:
+            span.set_attribute(name, str(recorded[name]).split("?", 1)[0])
+    if "url.query" in recorded:
+        span.set_attribute("url.query", "REDACTED")
 
 
 async def main(

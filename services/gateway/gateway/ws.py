@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import SpanKind
 from pydantic import TypeAdapter, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -41,6 +42,7 @@ from gateway.ratelimit import TokenBucket
 from gateway.settings import GatewaySettings
 from servicekit.logs import get_logger
 from servicekit.sessionlog import SessionLogClient
+from servicekit.telemetry import new_trace
 
 log = get_logger(__name__)
 FRAMES: TypeAdapter[Any] = TypeAdapter(ClientFrame)
@@ -163,7 +165,11 @@ class Connection:
                 )
                 raise DomainError(ErrorCode.INVALID_REQUEST, f"invalid frame: {problems}") from None
             kind = frame.type
-            result = await self._dispatch(frame)
+            # Each frame its own trace (linked to the connection's): a chat message's
+            # trace runs from here through the log, Criativo and metering.
+            with new_trace(f"ws {frame.type}", SpanKind.SERVER, **{"websocket.frame": kind}):
+                result = await self._dispatch(frame)
+                log.debug("frame_handled", frame=kind)
             ack = AckFrame(
                 of=frame.type,
                 ref=ref,

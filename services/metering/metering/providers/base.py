@@ -8,14 +8,20 @@ produced (DESIGN.md: streaming usage).
 
 from __future__ import annotations
 
+import functools
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
+
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
+from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from contracts.metering import ChatMessage, ReplyBlock, TokenUsage, ToolSpec
 from servicekit.logs import get_logger
+from servicekit.telemetry import tracer, tracing_on
 
 # A server asking for a longer wait than this is answered with an error now.
 MAX_RETRY_AFTER_SECONDS = 60.0
@@ -91,6 +97,56 @@ class ProviderError(Exception):
         self.code = code
         self.message = message
         self.retry_after = retry_after
+
+
+Complete = TypeVar("Complete", bound=Callable[..., Coroutine[Any, Any, "ProviderReply"]])
+
+
+def traced(complete: Complete) -> Complete:
+    """A provider's `complete` as a CLIENT span with the GenAI semantic conventions:
+    provider, model, and the tokens the call was billed for (set even when it failed or
+    was cancelled: `progress` holds what the provider produced until then)."""
+
+    @functools.wraps(complete)
+    async def call(
+        self: Provider, request: ProviderRequest, progress: Progress, on_text: OnText | None
+    ) -> ProviderReply:
+        if not tracing_on():
+            return await complete(self, request, progress, on_text)
+        attributes: dict[str, AttributeValue] = {
+            gen_ai.GEN_AI_OPERATION_NAME: "chat",
+            gen_ai.GEN_AI_PROVIDER_NAME: self.name,
+            gen_ai.GEN_AI_REQUEST_MODEL: request.model,
+            gen_ai.GEN_AI_REQUEST_MAX_TOKENS: request.max_tokens,
+            "gen_ai.agent.name": request.agent_slug,
+        }
+        with tracer.start_as_current_span(
+            f"chat {request.model}", kind=SpanKind.CLIENT, attributes=attributes
+        ) as span:
+            try:
+                reply = await complete(self, request, progress, on_text)
+            except ProviderError as exc:
+                span.set_attribute("error.type", exc.code)
+                span.set_status(StatusCode.ERROR, exc.code)
+                raise
+            finally:
+                if span.is_recording():
+                    usage = progress.usage
+                    span.set_attributes(
+                        {
+                            gen_ai.GEN_AI_USAGE_INPUT_TOKENS: usage.input_tokens,
+                            gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS: usage.output_tokens,
+                            gen_ai.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: usage.cache_read_tokens,
+                            gen_ai.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS: (
+                                usage.cache_write_5m_tokens + usage.cache_write_1h_tokens
+                            ),
+                        }
+                    )
+            span.set_attribute(gen_ai.GEN_AI_RESPONSE_MODEL, reply.model)
+            span.set_attribute(gen_ai.GEN_AI_RESPONSE_FINISH_REASONS, [reply.stop_reason])
+            return reply
+
+    return cast(Complete, call)
 
 
 class Provider(Protocol):

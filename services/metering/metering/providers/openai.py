@@ -46,6 +46,7 @@ from metering.providers.base import (
     estimate_output_tokens,
     next_retry_delay,
     retry_after,
+    traced,
 )
 from servicekit.logs import get_logger
 
@@ -262,6 +263,7 @@ class OpenAICompatibleProvider:
         self._max_retries = max_retries
         self._sleep = sleep
 
+    @traced
     async def complete(
         self, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:

@@ -22,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
-from metering.providers.base import OnText, Progress, ProviderError, ProviderReply, ProviderRequest
+from metering.providers.base import (
+    OnText,
+    Progress,
+    ProviderError,
+    ProviderReply,
+    ProviderRequest,
+    traced,
+)
 
 UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 # Criativo shows each message as `[message <id>]` before its text (domain.criativo).
@@ -232,6 +239,7 @@ class ScriptedProvider:
         self.script = script
         self.calls = 0
 
+    @traced
     async def complete(
         self, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:
