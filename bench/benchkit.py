@@ -25,7 +25,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -340,3 +340,29 @@ def cpu_table(
         cpu = [usage.ms_per_op.get(k, 0) for k in roles]
         cells.append([[name, clients, *cpu, sum(cpu), usage.cores_ours], [usage.cores_machine]])
     return table([cols, [Col("", 5, ".2f")]], cells, sep=" /", header=header)
+
+
+# -- goals ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Goals:
+    """The goals a benchmark is held to: each checked figure is printed met / MISSED, and
+    the benchmark exits non-zero when one is missed (`make bench` then says which)."""
+
+    checked: list[tuple[str, float, float, bool]] = field(default_factory=list)
+
+    def at_most(self, name: str, value: float, limit: float) -> None:
+        """Goal: `value` ≤ `limit` (NaN, nothing measured, is a miss)."""
+        self.checked.append((name, value, limit, value <= limit))
+
+    def report(self) -> list[str]:
+        """One line per goal."""
+        return [
+            f"  {'met   ' if ok else 'MISSED'} {name}: {value:.3f} (goal ≤ {limit:g})"
+            for name, value, limit, ok in self.checked
+        ]
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if all(ok for *_, ok in self.checked) else 1
