@@ -202,6 +202,23 @@ class Chat:
         self.marks.clear()
 
 
+async def warm_up(nc: Client, delay_s: float) -> None:
+    """One turn, not measured: each process's first turn pays its first uses (lazy
+    imports, pool connections, pydantic's first serialisations), not what a turn costs."""
+    session = await open_with_criativo(nc, asyncio.Semaphore(1))
+    chat = Chat()
+    chat.expected_done = 1
+    subs = [
+        await nc.subscribe(subjects.delta_subject(PROJECT, str(session)), cb=chat.on_delta),
+        await nc.subscribe(subjects.done_subject(PROJECT, str(session)), cb=chat.on_done),
+    ]
+    await nc.flush()
+    await chat.turn(nc, session, delay_s)
+    await asyncio.wait_for(chat.all_done.wait(), 120)
+    for s in subs:
+        await s.unsubscribe()
+
+
 async def measure_level(
     nc: Client, nats_url: str, level: int, tokens: int, delay_s: float, meter: CpuMeter
 ) -> tuple[list[str], float, CpuUsage]:
@@ -276,6 +293,7 @@ async def run(tokens: int, delay_ms: float, levels: list[int]) -> int:
         roles = [*groups, "postgres"]
         print(f"chat bench: {tokens} tokens per turn, one every {delay_ms} ms; "
               f"{os.cpu_count()} cores")  # fmt: skip
+        await warm_up(nc, delay_s)
         goals, cpu_rows = Goals(), []
         for level in levels:
             meter = CpuMeter(groups, pool)
