@@ -108,15 +108,16 @@ async def start_services(
     env: dict[str, str],
     logs: Path,
     modules: Sequence[str],
+    ready_timeout: float = 30.0,
 ) -> list[ServiceProcess]:
     """Start `python -m <module>` for each module (a module may repeat: replicas), all at
-    once, then wait until each process answers `$SRV.PING.<module>`; each is stopped with
-    SIGTERM when `stack` unwinds."""
+    once, then wait (up to `ready_timeout` seconds each) until each process answers
+    `$SRV.PING.<module>`; each is stopped with SIGTERM when `stack` unwinds."""
     procs = [ServiceProcess(m, env, logs / f"{m}-{i}.log") for i, m in enumerate(modules)]
     for proc in procs:
         stack.callback(proc.start().kill, signal.SIGTERM)
     for proc in procs:
-        await proc.wait_ready(nc, proc.module)
+        await proc.wait_ready(nc, proc.module, ready_timeout)
     return procs
 
 

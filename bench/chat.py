@@ -283,7 +283,7 @@ async def run(tokens: int, delay_ms: float, levels: list[int]) -> int:
         )
         nc = await nats.connect(srv.nats_url)
         stack.push_async_callback(nc.close)
-        procs = await start_services(stack, nc, env, srv.state, SERVICES)
+        procs = await start_services(stack, nc, env, srv.state, SERVICES, SETUP_TIMEOUT)
         pool = await asyncpg.create_pool(srv.admin_url, min_size=1, max_size=1)
         assert pool is not None
         stack.push_async_callback(pool.close)
