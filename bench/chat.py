@@ -76,6 +76,8 @@ SERVICES = ("session_events", "handoff", "metering", "criativo")
 # Sessions opened at once while setting a level up (not measured).
 OPENING = 16
 SETUP_TIMEOUT = 60.0
+# Four services starting at once on a loaded 2-core machine can take minutes.
+READY_TIMEOUT = 180.0
 
 # The raw-hop baseline is bench/metering.py's and the report rows benchkit's, so both
 # benchmarks measure and print their baseline the same way.
@@ -283,7 +285,7 @@ async def run(tokens: int, delay_ms: float, levels: list[int]) -> int:
         )
         nc = await nats.connect(srv.nats_url)
         stack.push_async_callback(nc.close)
-        procs = await start_services(stack, nc, env, srv.state, SERVICES, SETUP_TIMEOUT)
+        procs = await start_services(stack, nc, env, srv.state, SERVICES, READY_TIMEOUT)
         pool = await asyncpg.create_pool(srv.admin_url, min_size=1, max_size=1)
         assert pool is not None
         stack.push_async_callback(pool.close)
