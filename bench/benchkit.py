@@ -26,7 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -109,15 +109,16 @@ async def start_services(
     env: dict[str, str],
     logs: Path,
     modules: Sequence[str],
+    ready_timeout: float = 30.0,
 ) -> list[ServiceProcess]:
     """Start `python -m <module>` for each module (a module may repeat: replicas), all at
-    once, then wait until each process answers `$SRV.PING.<module>`; each is stopped with
-    SIGTERM when `stack` unwinds."""
+    once, then wait (up to `ready_timeout` seconds each) until each process answers
+    `$SRV.PING.<module>`; each is stopped with SIGTERM when `stack` unwinds."""
     procs = [ServiceProcess(m, env, logs / f"{m}-{i}.log") for i, m in enumerate(modules)]
     for proc in procs:
         stack.callback(proc.start().kill, signal.SIGTERM)
     for proc in procs:
-        await proc.wait_ready(nc, proc.module)
+        await proc.wait_ready(nc, proc.module, ready_timeout)
     return procs
 
 
@@ -403,3 +404,29 @@ def top_frames(path: Path, n: int = 15) -> list[str]:
     ranked = sorted(inclusive.items(), key=lambda x: -x[1])[:n]
     lines += [f"    {c / total:6.1%}  {f}" for f, c in ranked]
     return lines
+
+
+# -- goals ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Goals:
+    """The goals a benchmark is held to: each checked figure is printed met / MISSED, and
+    the benchmark exits non-zero when one is missed (`make bench` then says which)."""
+
+    checked: list[tuple[str, float, float, bool]] = field(default_factory=list)
+
+    def at_most(self, name: str, value: float, limit: float) -> None:
+        """Goal: `value` ≤ `limit` (NaN, nothing measured, is a miss)."""
+        self.checked.append((name, value, limit, value <= limit))
+
+    def report(self) -> list[str]:
+        """One line per goal."""
+        return [
+            f"  {'met   ' if ok else 'MISSED'} {name}: {value:.3f} (goal ≤ {limit:g})"
+            for name, value, limit, ok in self.checked
+        ]
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if all(ok for *_, ok in self.checked) else 1

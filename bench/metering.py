@@ -9,12 +9,18 @@ time; a subscriber on each turn's `delta_subject` measures
   provider's own delay before its first token (the command hop, binding and price
   look-ups, the budget reservation in Postgres, the first delta's hop);
 
+- CPU ms per token of each process (metering, NATS, Postgres; the turn's start and bill
+  spread over its tokens) against the raw hop's (publisher and NATS);
+
 at 1, 50 and 200 concurrent streams — the first wave's starts spread over one
 stream's duration, so the level is a steady number of streams in flight rather
 than one burst of simultaneous starts — against a baseline measured in the same run:
 a raw NATS publish→subscribe hop, from another process, of the same delta messages
 at the same rate and concurrency. Metering runs as its own process (`python -m
 metering`, scripted provider), as under `make up`.
+
+Goals (issue 12): per token ≤ 0.15 ms CPU across the processes, p99 added latency
+≤ 3 ms at 200 streams; the bench exits non-zero when one is missed.
 
     .venv/bin/python bench/metering.py [--tokens 30] [--delay-ms 20]
 
@@ -34,12 +40,23 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import asyncpg
 import nats
 import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from benchkit import fresh_database, latency_row, servers, service_env, start_services
+from benchkit import (
+    CpuMeter,
+    Goals,
+    cpu_table,
+    fresh_database,
+    latency_row,
+    percentile,
+    servers,
+    service_env,
+    start_services,
+)
 from contracts import subjects
 from contracts.metering import ChatMessage, LlmStream, TurnDelta, TurnReply
 from servicekit.client import call
@@ -48,6 +65,9 @@ LEVELS = (1, 50, 200)
 # Streams measured per level (the single-stream level runs its streams one after another).
 STREAMS_PER_LEVEL = {1: 20, 50: 100, 200: 200}
 SUBJECT_ROOT = "agent.delta.bench"
+# Issue 12, at 200 streams: CPU per token across the processes; p99 added latency.
+CPU_PER_TOKEN_GOAL_MS = 0.15
+PER_TOKEN_P99_GOAL_MS = 3.0
 
 
 @dataclass
@@ -115,8 +135,10 @@ async def metering_streams(
 
 async def baseline_publisher(nats_url: str, streams: int, concurrency: int, tokens: int,
                              delay_s: float) -> None:  # fmt: skip
-    """Another process publishing the same deltas at the same rate: the raw hop."""
+    """Another process publishing the same deltas at the same rate: the raw hop. Prints
+    the CPU seconds the publishing took (its start-up and imports left out)."""
     nc = await nats.connect(nats_url)
+    cpu = time.process_time()
     limit = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -131,24 +153,28 @@ async def baseline_publisher(nats_url: str, streams: int, concurrency: int, toke
 
     await asyncio.gather(*(one(i) for i in range(streams)))
     await nc.flush()
+    print(time.process_time() - cpu, flush=True)
     await nc.drain()
 
 
 async def baseline(nats_url: str, receiver: Receiver, streams: int, concurrency: int,
-                   tokens: int, delay_s: float) -> None:  # fmt: skip
+                   tokens: int, delay_s: float) -> float:  # fmt: skip
+    """The raw hop; returns the CPU seconds its publisher used publishing."""
     for i in range(streams):
         receiver.expect(f"base{i}")
     child = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--publish-baseline", nats_url, str(streams), str(concurrency),
         str(tokens), str(delay_s),
+        stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    await child.wait()
+    out, _ = await child.communicate()
     await asyncio.wait_for(
         asyncio.gather(*(receiver.done[f"base{i}"].wait() for i in range(streams))), 30
     )
+    return float(out.decode().split()[-1])
 
 
-async def run(tokens: int, delay_ms: float) -> None:
+async def run(tokens: int, delay_ms: float) -> int:
     delay_s = delay_ms / 1000
     async with contextlib.AsyncExitStack() as stack:
         srv = stack.enter_context(servers(prefix="bench-metering-"))
@@ -175,26 +201,51 @@ async def run(tokens: int, delay_ms: float) -> None:
         )
         nc = await nats.connect(nats_url)
         stack.push_async_callback(nc.close)
-        await start_services(stack, nc, env, srv.state, ["metering"])
+        procs = await start_services(stack, nc, env, srv.state, ["metering"])
+        pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
+        assert pool is not None
+        stack.push_async_callback(pool.close)
+        nats_group = {"nats": [srv.nats_pid]} if srv.nats_pid is not None else {}
         print(f"metering bench: {tokens} tokens per stream, one every {delay_ms} ms; "
               f"{os.cpu_count()} cores")  # fmt: skip
+        goals, cpu_rows = Goals(), []
         for level in LEVELS:
             streams = STREAMS_PER_LEVEL[level]
             base, measured = Receiver(), Receiver()
             base.expected = measured.expected = tokens
             sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=base.on_msg)
             await nc.flush()
-            await baseline(nats_url, base, streams, level, tokens, delay_s)
+            meter = CpuMeter(nats_group)
+            await meter.start()
+            started = time.perf_counter()
+            publisher_s = await baseline(nats_url, base, streams, level, tokens, delay_s)
+            base_cpu = await meter.stop(streams * tokens, time.perf_counter() - started)
+            base_cpu.ms_per_op["publisher"] = round(publisher_s * 1000 / (streams * tokens), 3)
             await sub.unsubscribe()
             sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=measured.on_msg)
             await nc.flush()
+            meter = CpuMeter({"metering": [procs[0].pid], **nats_group}, pool)
+            await meter.start()
+            started = time.perf_counter()
             await metering_streams(nc, measured, streams, level, tokens, delay_s)
+            cpu = await meter.stop(streams * tokens, time.perf_counter() - started)
             await sub.unsubscribe()
-            hop = base.samples.per_token_ms
+            hop, per_token = base.samples.per_token_ms, measured.samples.per_token_ms
             print(f"{level} concurrent stream(s), {streams} streams:")
             print(latency_row("baseline raw NATS hop", hop))
-            print(latency_row("per-token added latency", measured.samples.per_token_ms, hop))
-            print(latency_row("TTFT overhead", measured.samples.ttft_overhead_ms, hop))
+            print(latency_row("per-token added latency", per_token, hop))
+            print(latency_row("TTFT overhead", measured.samples.ttft_overhead_ms, hop), flush=True)
+            cpu_rows += [("raw hop", level, base_cpu), ("metering", level, cpu)]
+            if level == max(LEVELS):
+                goals.at_most(f"CPU ms per token at {level} streams",
+                              sum(cpu.ms_per_op.values()), CPU_PER_TOKEN_GOAL_MS)  # fmt: skip
+                goals.at_most(f"per-token added latency p99 ms at {level} streams",
+                              percentile(per_token, 0.99), PER_TOKEN_P99_GOAL_MS)  # fmt: skip
+        roles = ["metering", "publisher", *nats_group, "postgres"]
+        print("\n".join(cpu_table(roles, cpu_rows, name_width=9)).replace("per op", "per token"))
+        print("goals:")
+        print("\n".join(goals.report()))
+        return goals.exit_code
 
 
 def main() -> None:
@@ -207,7 +258,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=30)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     args = parser.parse_args()
-    uvloop.run(run(args.tokens, args.delay_ms))
+    sys.exit(uvloop.run(run(args.tokens, args.delay_ms)))
 
 
 if __name__ == "__main__":

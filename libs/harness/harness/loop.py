@@ -194,24 +194,25 @@ class ToolLoop:
         return result
 
     def _turn(self, ctx: LoopContext, iteration: int, messages: list[ChatMessage]) -> LlmTurn:
-        turn = LlmTurn(
-            run_id=ctx.run_id,
-            turn_id=ctx.turn_id_of(iteration),
-            agent_slug=ctx.agent_slug,
-            project_id=ctx.project_id,
-            session_id=ctx.session_id,
-            system=ctx.system,
-            messages=list(messages),
-            tools=[t.spec() for t in self._tools.values()],
-            max_tokens=self._max_tokens,
-            budget_micros=ctx.budget_micros,
-        )
+        fields = {
+            "run_id": ctx.run_id,
+            "turn_id": ctx.turn_id_of(iteration),
+            "agent_slug": ctx.agent_slug,
+            "project_id": ctx.project_id,
+            "session_id": ctx.session_id,
+            "system": ctx.system,
+            "messages": list(messages),
+            "tools": [t.spec() for t in self._tools.values()],
+            "max_tokens": self._max_tokens,
+            "budget_micros": ctx.budget_micros,
+        }
         if not ctx.stream:
-            return turn
+            return LlmTurn(**fields)
         if ctx.session_id is None:
             raise ValueError("a streaming run needs the session its deltas belong to")
+        # Built (and validated) once, as the command it is: on every turn's start.
         return LlmStream(
-            **dict(turn),
+            **fields,
             delta_subject=ctx.delta_subject
             or subjects.delta_subject(ctx.project_id, ctx.session_id),
             causation_id=ctx.causation_id,

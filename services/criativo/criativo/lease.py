@@ -8,6 +8,12 @@ frees it within one TTL. The holder renews it while the turn runs and deletes it
 (with its revision, so never someone else's) when done. A replica that finds the
 key taken waits for it; the caller keeps its message in progress meanwhile.
 
+Taking the lease is on the path of every turn's first token, so it is one round trip:
+a replica remembers the revision of the delete marker it left when it released a
+session, and takes the session again by updating from that revision. A key someone
+else wrote since (or that expired) no longer matches, and the lease is taken as
+above (`kv.create` reads the marker and writes behind it: three round trips).
+
 If renewing fails (the TTL ran out during a stall and another replica took over),
 the turn goes on: the log's idempotency keys still keep one response per message,
 and the loss is logged.
@@ -21,9 +27,9 @@ from collections.abc import AsyncIterator
 from uuid import UUID
 
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig
+from nats.js.api import Header, KeyValueConfig
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from servicekit.logs import get_logger
 
@@ -31,6 +37,8 @@ log = get_logger(__name__)
 
 BUCKET = "criativo_leases"
 RETRY_SECONDS = 0.02
+# Sessions whose release this replica remembers (the most recent ones).
+REMEMBERED_RELEASES = 10_000
 
 
 class SessionLeases:
@@ -41,6 +49,8 @@ class SessionLeases:
         self._instance = instance.encode()
         self._ttl = ttl_seconds
         self._kv: KeyValue | None = None
+        # By session key: the revision of the delete marker this replica's release left.
+        self._released: dict[str, int] = {}
 
     async def open(self, replicas: int = 1) -> None:
         """Create the bucket, or bring its TTL to ours (replicas share one setting)."""
@@ -69,11 +79,28 @@ class SessionLeases:
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
             try:
-                await kv.delete(key, last=state["revision"])
+                await self._release(key, state["revision"])
             except Exception as exc:  # expired or taken: it is not ours to delete
                 log.warning("lease_release_failed", session_id=key, error=repr(exc))
 
+    async def _release(self, key: str, revision: int) -> None:
+        """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
+        writes), remembering the marker's revision, which `kv.delete` does not return."""
+        ack = await self._js.publish(
+            f"$KV.{BUCKET}.{key}",
+            b"",
+            headers={KV_OP: KV_DEL, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)},
+        )
+        self._released.pop(key, None)
+        self._released[key] = ack.seq
+        if len(self._released) > REMEMBERED_RELEASES:
+            del self._released[next(iter(self._released))]
+
     async def _acquire(self, kv: KeyValue, key: str) -> int:
+        released = self._released.pop(key, None)
+        if released is not None:
+            with contextlib.suppress(KeyWrongLastSequenceError):  # written since: as below
+                return await kv.update(key, self._instance, last=released)
         while True:
             try:
                 return await kv.create(key, self._instance)

@@ -140,8 +140,12 @@ class SessionWork:
             if not await self.confirmed(conv, event):
                 return conv  # forged or stale: acknowledged, never acted on
             if event.type is EventType.CHAT_MESSAGE:
-                for message_id in conv.pending_before(event.seq):
+                for n, message_id in enumerate(conv.pending_before(event.seq)):
+                    if n:  # the answer before, as the log holds it, is in this one's prompt
+                        conv = await self.catch_up(conv)
                     conv = await self._answer(conv, message_id)
+                # The last answer is read back by the next input's catch-up, which every
+                # input starts with: one read of the log per turn, not two.
                 return conv
             return await self._readiness(conv, event)
 
@@ -178,7 +182,7 @@ class SessionWork:
             await self._failed(conv, agent, message_id, exc)
         else:
             await self._respond(conv, agent, message_id, outcome)
-        return await self.catch_up(conv)
+        return conv
 
     async def _patiently(self, run: Callable[[], Awaitable[TurnOutcome]], what: str) -> TurnOutcome:
         """The turn, waited for while metering restarts (its turn ids make a retried turn

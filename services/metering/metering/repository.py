@@ -63,6 +63,19 @@ class EndedTurn:
     reply: TurnReply | None
 
 
+@dataclass(frozen=True)
+class StoredRun:
+    """A run's budget as its row holds it, and the row's version (bumped by every write)."""
+
+    budget: RunBudget
+    version: int
+
+
+def _stored(row: asyncpg.Record) -> StoredRun:
+    budget = RunBudget(row["budget_micros"], row["spent_micros"], row["reserved_micros"])
+    return StoredRun(budget, row["version"])
+
+
 def _binding(row: asyncpg.Record) -> Binding:
     return Binding.model_validate(dict(row))
 
@@ -74,40 +87,47 @@ class BudgetTransaction:
         self._conn = conn
 
     async def lock_run(self, run_id: str) -> RunBudget:
-        """The run's budget, created empty on its first turn, locked until commit.
+        """The run's budget, created empty on its first turn, locked until commit."""
+        return (await self.lock_stored_run(run_id)).budget
+
+    async def lock_stored_run(self, run_id: str) -> StoredRun:
+        """`lock_run`, with the row's version.
 
         One statement: the no-op update of an existing row takes its row lock."""
         row = await self._conn.fetchrow(
             """INSERT INTO run_budgets (run_id) VALUES ($1)
                ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
-               RETURNING budget_micros, spent_micros, reserved_micros""",
+               RETURNING budget_micros, spent_micros, reserved_micros, version""",
             run_id,
         )
         assert row is not None
-        return RunBudget(row["budget_micros"], row["spent_micros"], row["reserved_micros"])
+        return _stored(row)
 
-    async def save_run(self, run_id: str, run: RunBudget) -> None:
-        await self._conn.execute(
+    async def save_run(self, run_id: str, run: RunBudget) -> int:
+        """Save the locked run; returns the row's new version."""
+        version: int = await self._conn.fetchval(
             """UPDATE run_budgets SET budget_micros = $2, spent_micros = $3, reserved_micros = $4,
-                      updated_at = now()
-                WHERE run_id = $1""",
+                      version = version + 1, updated_at = now()
+                WHERE run_id = $1
+               RETURNING version""",
             run_id,
             run.budget,
             run.spent,
             run.reserved,
         )
+        return version
 
-    async def hold(self, run_id: str, turn_id: str, amount: int, run: RunBudget) -> bool:
+    async def hold(self, run_id: str, turn_id: str, amount: int, run: RunBudget) -> int | None:
         """Claim the turn id with its hold and save the run that holds it, in one statement;
-        False (nothing written) when the turn id is already claimed."""
-        claimed = await self._conn.fetchval(
+        the row's new version, or None (nothing written) when the turn id is already claimed."""
+        version: int | None = await self._conn.fetchval(
             """WITH claim AS (
                    INSERT INTO budget_holds (turn_id, run_id, hold_micros) VALUES ($1, $2, $3)
                    ON CONFLICT (turn_id) DO NOTHING RETURNING true)
                UPDATE run_budgets SET budget_micros = $4, spent_micros = $5,
-                      reserved_micros = $6, updated_at = now()
+                      reserved_micros = $6, version = version + 1, updated_at = now()
                 WHERE run_id = $2 AND EXISTS (SELECT 1 FROM claim)
-               RETURNING true""",
+               RETURNING version""",
             turn_id,
             run_id,
             amount,
@@ -115,7 +135,7 @@ class BudgetTransaction:
             run.spent,
             run.reserved,
         )
-        return bool(claimed)
+        return version
 
     async def settle_hold(self, turn_id: str, cost: int) -> int | None:
         """Mark the turn's hold settled at `cost`; returns what it held (None if settled before)."""
@@ -188,6 +208,75 @@ class MeteringRepository:
         """One unit of work: everything inside commits together or not at all."""
         async with self._pool.acquire() as conn, conn.transaction():
             yield BudgetTransaction(conn)
+
+    async def stored_run(self, run_id: str) -> StoredRun | None:
+        """The run's row as it is now (not locked); None before the run's first turn."""
+        row = await self._pool.fetchrow(
+            """SELECT budget_micros, spent_micros, reserved_micros, version
+                 FROM run_budgets WHERE run_id = $1""",
+            run_id,
+        )
+        return _stored(row) if row is not None else None
+
+    async def hold_if_unchanged(
+        self, run_id: str, turn_id: str, amount: int, seen: StoredRun | None, run: RunBudget
+    ) -> int | None:
+        """Claim the turn id with its hold and save `run`, in one statement and no explicit
+        transaction, only if the row is still as `seen` (None: the run has no row yet) and
+        the turn id is unclaimed; the row's new version, or None when nothing was written.
+
+        The claim depends on the row's update, so a claim is never written without its
+        reservation; a concurrent claim of the same turn id bumped the version too (`hold`,
+        this statement), so the update cannot succeed beside it."""
+        if seen is None:
+            row = await self._pool.fetchrow(
+                """WITH run AS (
+                       INSERT INTO run_budgets (run_id, budget_micros, spent_micros,
+                                                reserved_micros, version)
+                       VALUES ($2, $4, $5, $6, 1)
+                       ON CONFLICT (run_id) DO NOTHING RETURNING version),
+                   claim AS (
+                       INSERT INTO budget_holds (turn_id, run_id, hold_micros)
+                       SELECT $1, $2, $3 FROM run
+                       ON CONFLICT (turn_id) DO NOTHING RETURNING true)
+                   SELECT (SELECT version FROM run) AS version,
+                          EXISTS (SELECT 1 FROM claim) AS claimed""",
+                turn_id,
+                run_id,
+                amount,
+                run.budget,
+                run.spent,
+                run.reserved,
+            )
+        else:
+            row = await self._pool.fetchrow(
+                """WITH run AS (
+                       UPDATE run_budgets SET budget_micros = $4, spent_micros = $5,
+                              reserved_micros = $6, version = version + 1, updated_at = now()
+                        WHERE run_id = $2 AND version = $7
+                          AND NOT EXISTS (SELECT 1 FROM budget_holds WHERE turn_id = $1)
+                       RETURNING version),
+                   claim AS (
+                       INSERT INTO budget_holds (turn_id, run_id, hold_micros)
+                       SELECT $1, $2, $3 FROM run
+                       ON CONFLICT (turn_id) DO NOTHING RETURNING true)
+                   SELECT (SELECT version FROM run) AS version,
+                          EXISTS (SELECT 1 FROM claim) AS claimed""",
+                turn_id,
+                run_id,
+                amount,
+                run.budget,
+                run.spent,
+                run.reserved,
+                seen.version,
+            )
+        assert row is not None
+        if row["version"] is not None and not row["claimed"]:
+            # Only a caller reusing a turn id under another run gets here: the run now
+            # holds more than it should, which refuses turns early but never overspends.
+            raise RuntimeError(f"turn id {turn_id} is claimed under another run than {run_id}")
+        version: int | None = row["version"]
+        return version
 
     async def ended_turn(self, turn_id: str) -> EndedTurn | None:
         """The outcome of a turn that already ran, if it did."""

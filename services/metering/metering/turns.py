@@ -15,6 +15,7 @@ stop, its row has status `cancelled` and the usage the provider consumed until t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -46,13 +47,15 @@ from metering.providers.base import (
     ProviderRequest,
     Providers,
 )
-from metering.repository import EndedTurn, MeteringRepository, UsageRecord
+from metering.repository import EndedTurn, MeteringRepository, StoredRun, UsageRecord
 from servicekit.endpoint import UNAVAILABLE_ERRORS
 from servicekit.logs import get_logger
 from servicekit.metrics import SECONDS, Counter, Histogram
 
 log = get_logger(__name__)
 
+# Runs whose row each replica remembers (`TurnRunner._reserve`): a few hundred bytes each.
+REMEMBERED_RUNS = 10_000
 # Writing the bill is retried for about half a minute before giving up on the store.
 RECORD_ATTEMPTS = 9
 # The stop reason of a stream stopped by `cmd.llm.cancel` (contracts.metering.TurnReply).
@@ -109,6 +112,13 @@ def prompt_bytes(cmd: LlmTurn) -> int:
     return len(cmd.system.encode()) + len(body.encode())
 
 
+def _reserved(run: RunBudget, cmd: LlmTurn, hold: int) -> RunBudget:
+    """The run once the turn's hold is reserved (the cap its first turn named), or the
+    domain's refusal."""
+    budget = choose_budget(run.budget, cmd.budget_micros, cmd.run_id)
+    return reserve(RunBudget(budget, run.spent, run.reserved), hold, cmd.run_id)
+
+
 def _at(seconds: float | None) -> datetime | None:
     return datetime.fromtimestamp(seconds, UTC) if seconds is not None else None
 
@@ -153,7 +163,9 @@ class DeltaPublisher:
         # Before the publish: nats-py queues the message before its first await, so a
         # piece recorded here is a piece that went out.
         self.pieces.append(text)
-        delta = TurnDelta(
+        # Built from values already checked (the command's turn id, our own count, the
+        # provider's text): constructed, not validated again, on the per-token path.
+        delta = TurnDelta.model_construct(
             turn_id=self.turn_id,
             seq=self.seq,
             text=text,
@@ -207,6 +219,8 @@ class TurnRunner:
         self._nc = nc
         self.cancels = cancels or Cancellations()
         self._clock = clock
+        # Run rows as this replica last wrote them, by run id, least recently written first.
+        self._runs: dict[str, StoredRun] = {}
 
     async def run(self, cmd: LlmTurn) -> TurnReply:
         """Answer `cmd.llm.turn` / `cmd.llm.stream` (an `LlmStream` streams its deltas)."""
@@ -216,13 +230,8 @@ class TurnRunner:
         price = self._catalog.price(binding.model, datetime.fromtimestamp(started, UTC).date())
         input_estimate = estimate_input_tokens(prompt_bytes(cmd), len(cmd.messages))
         hold = worst_case_micros(input_estimate, cmd.max_tokens, price)
-        # Three round trips on the first-token path: lock, decide in Python, claim + save.
         try:
-            async with self._repo.transaction() as tx:
-                run = await tx.lock_run(cmd.run_id)
-                budget = choose_budget(run.budget, cmd.budget_micros, cmd.run_id)
-                run = reserve(RunBudget(budget, run.spent, run.reserved), hold, cmd.run_id)
-                claimed = await tx.hold(cmd.run_id, cmd.turn_id, hold, run)
+            claimed = await self._reserve(cmd, hold)
         except DomainError:
             # A turn that already ran is answered from its row even when the run
             # could not afford it again today.
@@ -288,6 +297,40 @@ class TurnRunner:
             raise error
         assert answer is not None
         return answer.model_copy(update={"budget_remaining_micros": remaining})
+
+    async def _reserve(self, cmd: LlmTurn, hold: int) -> bool:
+        """Hold the turn's worst case on its run; False when the turn id is already claimed.
+
+        On the first-token path, so in one round trip when this replica knows the run's
+        row as it last wrote it (the run's previous turn), two when it does not: the
+        decision is taken on that row and written only if the row is still the same
+        (`hold_if_unchanged`). A row someone else changed, or a turn that does not fit
+        what this replica saw, is decided again under the row lock, on the row as it is.
+        """
+        seen = self._runs.get(cmd.run_id)
+        if seen is None:
+            seen = await self._repo.stored_run(cmd.run_id)
+        with contextlib.suppress(DomainError):  # decided on what may be stale: see below
+            run = _reserved(seen.budget if seen else RunBudget(None, 0, 0), cmd, hold)
+            version = await self._repo.hold_if_unchanged(cmd.run_id, cmd.turn_id, hold, seen, run)
+            if version is not None:
+                self._remember(cmd.run_id, StoredRun(run, version))
+                return True
+        self._runs.pop(cmd.run_id, None)
+        async with self._repo.transaction() as tx:
+            stored = await tx.lock_stored_run(cmd.run_id)
+            run = _reserved(stored.budget, cmd, hold)
+            version = await tx.hold(cmd.run_id, cmd.turn_id, hold, run)
+        if version is not None:
+            self._remember(cmd.run_id, StoredRun(run, version))
+        return version is not None
+
+    def _remember(self, run_id: str, stored: StoredRun) -> None:
+        """Keep the run's row as this replica last wrote it (the most recent runs only)."""
+        self._runs.pop(run_id, None)
+        self._runs[run_id] = stored
+        if len(self._runs) > REMEMBERED_RUNS:
+            del self._runs[next(iter(self._runs))]  # the least recently written
 
     def _provider_of(self, name: str | None) -> Provider:
         provider = self.providers.get(name)
@@ -380,7 +423,8 @@ class TurnRunner:
                 held = await tx.settle_hold(record.turn_id, record.cost_micros)
                 # No live hold (lost with a crashed store): the cost is still spent.
                 run = settle(run, held or 0, record.cost_micros)
-                await tx.save_run(run_id, run)
+                version = await tx.save_run(run_id, run)
+                self._remember(run_id, StoredRun(run, version))
         if run.budget is not None and run.spent > run.budget:
             log.warning("run_overspent", run_id=run_id, budget=run.budget, spent=run.spent)
         log.info(

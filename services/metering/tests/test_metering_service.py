@@ -282,6 +282,30 @@ async def test_twenty_parallel_turns_of_one_run_never_spend_more_than_its_budget
     assert (run["spent_micros"], run["reserved_micros"]) == (spent, 0)
 
 
+async def test_a_run_changed_behind_the_replica_is_decided_on_its_row_as_it_is(
+    nc: Client, metering: Metering
+) -> None:
+    # The replica reserves a run's next turn on the row as it last wrote it (one round
+    # trip); a row written since by someone else (another replica, the sweeper) must be
+    # read again, both when it now refuses and when it now allows.
+    first = turn("writer", budget_micros=1_000_000)
+    await run_turn(nc, first)
+    spent_elsewhere = """UPDATE run_budgets SET spent_micros = $2, version = version + 1
+                          WHERE run_id = $1"""
+    await metering.db.execute(spent_elsewhere, first.run_id, 1_000_000)
+    calls = metering.calls
+    with pytest.raises(CommandFailed) as refused:
+        await run_turn(nc, turn("writer", run_id=first.run_id, budget_micros=1_000_000))
+    assert refused.value.code == "budget_exceeded"
+    assert metering.calls == calls
+
+    await metering.db.execute(spent_elsewhere, first.run_id, 0)
+    third = turn("writer", run_id=first.run_id, budget_micros=1_000_000)
+    reply = await run_turn(nc, third)
+    run = await run_row(metering.db, first.run_id)
+    assert (run["spent_micros"], run["reserved_micros"]) == (reply.cost_micros, 0)
+
+
 async def test_a_provider_failure_is_billed_and_reported(nc: Client, metering: Metering) -> None:
     cmd = turn("failer", budget_micros=1_000_000)
     with pytest.raises(CommandFailed) as failed:
