@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -158,10 +159,13 @@ def _alive(pid: object) -> bool:
 class Supervised:
     """One service process, restarted whenever it dies until the stack stops."""
 
-    def __init__(self, spec: ServiceSpec, env: dict[str, str], replica: int = 1) -> None:
+    def __init__(
+        self, spec: ServiceSpec, env: dict[str, str], replica: int = 1, log: Path | None = None
+    ) -> None:
         self.spec = spec
         self.replica = replica
         self._env = env
+        self._log = log  # where its output goes (appended across restarts); None: ours
         self._process: asyncio.subprocess.Process | None = None
         self._stopping = False
         self.restarts = 0
@@ -170,13 +174,17 @@ class Supervised:
         delay = 1.0
         while not self._stopping:
             started = time.monotonic()
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                self.spec.module,
-                env=self._env,
-                start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
-            )
+            with contextlib.ExitStack() as output:
+                out = output.enter_context(self._log.open("ab")) if self._log else None
+                self._process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    self.spec.module,
+                    env=self._env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us
+                )
             code = await self._process.wait()
             if self._stopping:
                 return
@@ -193,6 +201,13 @@ class Supervised:
             )
             await asyncio.sleep(delay)
             delay = min(delay * 2, RESTART_MAX_DELAY)
+
+    @property
+    def pid(self) -> int | None:
+        """The running process's id (None between a death and its restart): what a chaos
+        run kills."""
+        process = self._process
+        return process.pid if process is not None and process.returncode is None else None
 
     async def stop(self) -> None:
         self._stopping = True
