@@ -212,7 +212,11 @@ class Person:
         try:
             await ws.send(json.dumps({**frame, "ref": ref}))
         except ConnectionClosed:
+            # Forget the socket here: the reader that would do it cannot run while a
+            # caller retries (a send on a closed socket fails without yielding).
             self._answers.pop(ref, None)
+            if self._ws is ws:
+                self._ws = None
             raise Lost() from None
         try:
             reply = await asyncio.wait_for(future, FRAME_PATIENCE)
