@@ -22,7 +22,7 @@ from uuid import UUID
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from servicekit.logs import get_logger
@@ -79,6 +79,14 @@ class SessionLeases:
                 return await kv.create(key, self._instance)
             except KeyWrongLastSequenceError:
                 await asyncio.sleep(RETRY_SECONDS)  # held elsewhere: until released or expired
+            except KeyNotFoundError:
+                # nats-py's `create` reads the key back after a refused create, to tell a
+                # live lease from a delete marker. On an R3 bucket that read may be served
+                # by a replica that is behind, or the lease was released (its marker aged
+                # out) in between: not found. Either way, try again. Seen at 100 people on
+                # the 3-node cluster (bench/chaos.py): without this the input failed and
+                # waited out the consumer's backoff, minutes.
+                await asyncio.sleep(RETRY_SECONDS)
 
     async def _renew(self, kv: KeyValue, key: str, state: dict[str, int]) -> None:
         while True:
