@@ -61,13 +61,22 @@ class SessionLeases:
         kv, key = self._kv, str(session_id)
         revision = await self._acquire(kv, key)
         state = {"revision": revision}
-        renewer = asyncio.create_task(self._renew(kv, key, state))
+        done = asyncio.Event()
+        renewer = asyncio.create_task(self._renew(kv, key, state, done))
         try:
             yield
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # Told to stop, not cancelled: a cancel that lands as a renewal's ack arrives
+            # can be swallowed (asyncio.wait_for before Python 3.12, inside nats-py's
+            # request), leaving a renewer that never ends and a `hold` that never
+            # returns; and a renewal cut short leaves a stale revision to delete with.
+            # Both seen at 100 people (bench/chaos.py): sessions stuck for good.
+            done.set()
+            try:
                 await renewer
+            except asyncio.CancelledError:  # we are being stopped: so is the renewer
+                renewer.cancel()
+                raise
             try:
                 await kv.delete(key, last=state["revision"])
             except Exception as exc:  # expired or taken: it is not ours to delete
@@ -88,9 +97,13 @@ class SessionLeases:
                 # waited out the consumer's backoff, minutes.
                 await asyncio.sleep(RETRY_SECONDS)
 
-    async def _renew(self, kv: KeyValue, key: str, state: dict[str, int]) -> None:
+    async def _renew(
+        self, kv: KeyValue, key: str, state: dict[str, int], done: asyncio.Event
+    ) -> None:
         while True:
-            await asyncio.sleep(self._ttl / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self._ttl / 3)
+                return
             try:
                 state["revision"] = await kv.update(key, self._instance, last=state["revision"])
             except Exception as exc:
