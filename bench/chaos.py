@@ -837,7 +837,8 @@ def longest_kill_to_answer(blows: list[Blow], people: list[Person]) -> tuple[flo
     )
     worst, which = 0.0, "-"
     for blow in blows:
-        if blow.kind == "nats-back":
+        # a blow before the first answer only delays the start: nothing was answered yet
+        if blow.kind == "nats-back" or not answers or blow.at < answers[0]:
             continue
         after = next((a for a in answers if a > blow.at), None)
         if after is not None and after - blow.at > worst:
