@@ -12,7 +12,7 @@ MYPY_TESTS_PENDING :=
 MYPY_TESTS := $(filter-out $(MYPY_TESTS_PENDING),$(wildcard contracts/tests libs/*/tests services/*/tests tests))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup up down test lint format bench asyncapi nats-config deploy-config clean chromium
+.PHONY: help setup up down test lint format bench chaos asyncapi nats-config deploy-config clean chromium
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -55,9 +55,12 @@ format: setup ## apply ruff's fixes and formatting
 	$(RUN) ruff check --fix .
 	$(RUN) ruff format .
 
-bench: setup ## run the benchmarks (each measures its own baselines)
-	@for b in bench/*.py; do case $$b in */benchkit.py) continue;; esac; \
+bench: setup ## run the benchmarks (each measures its own baselines; `make chaos` apart)
+	@for b in bench/*.py; do case $$b in */benchkit.py|*/chaos.py) continue;; esac; \
 		echo "== $$b"; $(RUN) python $$b || exit 1; done
+
+chaos: setup ## 100 people through the gateways while replicas, a NATS node and Postgres fail
+	$(RUN) python bench/chaos.py --people $(or $(PEOPLE),100)
 
 asyncapi: setup ## regenerate contracts/asyncapi.json from the contracts
 	$(RUN) python -m contracts.asyncapi --write

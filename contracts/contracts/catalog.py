@@ -263,6 +263,8 @@ ACCESS = [
             subjects.LLM_STREAM,
         ),
         publishes=(subjects.done_subject("*", "*"),),
+        # Its turns' own deltas, as the liveness of a stream it waits on (harness.client).
+        subscribes=(subjects.delta_subject("*", "*"),),
         durables=(CRIATIVO_INPUTS,),
         buckets=(CRIATIVO_LEASES,),
     ),

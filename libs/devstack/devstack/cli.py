@@ -1,7 +1,9 @@
 """`agentbus`: run the stack and talk to it from a terminal.
 
-agentbus up [--replicas N]        start servers and services (what `make up` runs);
-                                  N processes of every service (default 1)
+agentbus up [--replicas N] [--nats-cluster M]
+                                  start servers and services (what `make up` runs);
+                                  N processes of every service (default 1), the
+                                  embedded NATS as a JetStream cluster of M nodes
 agentbus down                     stop them
 agentbus call SUBJECT [JSON]      send a command, print the reply
 agentbus services                 list the service instances answering on the bus
@@ -39,7 +41,7 @@ from devstack.stack import (
     secrets_file,
     stop_stack,
 )
-from servicekit.bus import Credentials, identity_options
+from servicekit.bus import Credentials, identity_options, server_urls
 from servicekit.logs import configure_logging
 from servicekit.permissions import ADMIN, PROVISION, USERS, inbox_prefix
 
@@ -64,7 +66,10 @@ def _credentials(user: str) -> Credentials | None:
 async def _connect(user: str = ADMIN, **options: Any) -> Client:
     """A short-lived connection as `user` (`admin`, the local operator, by default)."""
     return await nats.connect(
-        _nats_url(), name=f"agentbus-cli:{user}", **identity_options(_credentials(user)), **options
+        server_urls(_nats_url()),
+        name=f"agentbus-cli:{user}",
+        **identity_options(_credentials(user)),
+        **options,
     )
 
 
@@ -204,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--replicas", type=int, default=1, help="processes of every service (default 1)"
     )
+    up.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        help="embedded NATS nodes, clustered, streams on min(M, 3) of them (default 1)",
+    )
     sub.add_parser("down", help="stop a running stack")
     call = sub.add_parser("call", help="send a command and print its reply")
     call.add_argument("subject")
@@ -252,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "up":
         configure_logging("devstack", os.environ.get("AGENTBUS_LOG_LEVEL", "INFO"))
-        asyncio.run(run_stack(replicas=args.replicas))
+        asyncio.run(run_stack(replicas=args.replicas, nats_cluster=args.nats_cluster))
         return 0
     if args.command == "down":
         print("stopped" if stop_stack() else "no stack was running")

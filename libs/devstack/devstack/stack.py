@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,14 +40,17 @@ from urllib.parse import urlsplit, urlunsplit
 import nats
 import psutil
 from nats.aio.client import Client
+from nats.js.errors import ServiceUnavailableError
 
 from contracts import streams
 from devstack.services import ServiceSpec, discover, web_links
-from servicekit.bus import Credentials, identity_options, provision_streams
+from servicekit.bus import Credentials, identity_options, provision_streams, server_urls
 from servicekit.embedded import (
     EmbeddedNats,
     EmbeddedPostgres,
+    NatsCluster,
     start_nats,
+    start_nats_cluster,
     start_postgres,
     state_dir,
 )
@@ -106,11 +110,31 @@ def env_credentials() -> Credentials | None:
     return Credentials(user, password) if user and password else None
 
 
+# A cluster just started elects its JetStream meta leader after it accepts clients.
+PROVISION_PATIENCE = 60.0
+
+
 async def provision(nats_url: str, credentials: Credentials | None, replicas: int = 1) -> None:
-    """Create or update every stream, as the one user allowed to (`agentbus provision`)."""
-    nc = await nats.connect(nats_url, name="agentbus-provision", **identity_options(credentials))
+    """Create or update every stream, as the one user allowed to (`agentbus provision`);
+    retried while a cluster's JetStream is not ready yet (no meta leader, no quorum)."""
+    nc = await nats.connect(
+        server_urls(nats_url), name="agentbus-provision", **identity_options(credentials)
+    )
     try:
-        await provision_streams(nc.jetstream(), streams.ALL, replicas)
+        deadline = time.monotonic() + PROVISION_PATIENCE
+        while True:
+            try:
+                await provision_streams(nc.jetstream(), streams.ALL, replicas)
+                return
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                ServiceUnavailableError,
+            ) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("jetstream_not_ready_yet", error=repr(exc))
+                await asyncio.sleep(0.5)
     finally:
         await nc.close()
 
@@ -135,10 +159,13 @@ def _alive(pid: object) -> bool:
 class Supervised:
     """One service process, restarted whenever it dies until the stack stops."""
 
-    def __init__(self, spec: ServiceSpec, env: dict[str, str], replica: int = 1) -> None:
+    def __init__(
+        self, spec: ServiceSpec, env: dict[str, str], replica: int = 1, log: Path | None = None
+    ) -> None:
         self.spec = spec
         self.replica = replica
         self._env = env
+        self._log = log  # where its output goes (appended across restarts); None: ours
         self._process: asyncio.subprocess.Process | None = None
         self._stopping = False
         self.restarts = 0
@@ -147,13 +174,17 @@ class Supervised:
         delay = 1.0
         while not self._stopping:
             started = time.monotonic()
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                self.spec.module,
-                env=self._env,
-                start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
-            )
+            with contextlib.ExitStack() as output:
+                out = output.enter_context(self._log.open("ab")) if self._log else None
+                self._process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    self.spec.module,
+                    env=self._env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us
+                )
             code = await self._process.wait()
             if self._stopping:
                 return
@@ -170,6 +201,13 @@ class Supervised:
             )
             await asyncio.sleep(delay)
             delay = min(delay * 2, RESTART_MAX_DELAY)
+
+    @property
+    def pid(self) -> int | None:
+        """The running process's id (None between a death and its restart): what a chaos
+        run kills."""
+        process = self._process
+        return process.pid if process is not None and process.returncode is None else None
 
     async def stop(self) -> None:
         self._stopping = True
@@ -194,7 +232,9 @@ async def _describe(
 ) -> list[str]:
     """Wait for every replica of every service to answer `$SRV.INFO`, and list each
     service's endpoints and instances (as `ops`)."""
-    nc = await nats.connect(nats_url, name="agentbus-up", **identity_options(credentials))
+    nc = await nats.connect(
+        server_urls(nats_url), name="agentbus-up", **identity_options(credentials)
+    )
     lines = []
     try:
         for spec in specs:
@@ -241,23 +281,38 @@ async def _infos(nc: Client, service: str, window: float = 0.5) -> dict[str, dic
     return found
 
 
-async def run_stack(specs: list[ServiceSpec] | None = None, replicas: int = 1) -> None:
-    """Run servers and `replicas` processes of every service until SIGINT/SIGTERM."""
+def stream_replicas(nats_cluster: int) -> int:
+    """How many copies of each stream a cluster of `nats_cluster` nodes keeps (R3 at most,
+    as JetStream allows and production runs)."""
+    return min(nats_cluster, 3)
+
+
+async def run_stack(
+    specs: list[ServiceSpec] | None = None, replicas: int = 1, nats_cluster: int = 1
+) -> None:
+    """Run servers and `replicas` processes of every service until SIGINT/SIGTERM; with
+    `nats_cluster` > 1, the embedded NATS is a cluster of that many nodes."""
     if replicas < 1:
         raise SystemExit("--replicas must be at least 1")
+    if nats_cluster < 1:
+        raise SystemExit("--nats-cluster must be at least 1")
     specs = specs or discover()
     if read_stack() is not None:
         raise SystemExit(f"a stack is already running ({stack_file()}); `make down` first")
     state = state_dir()
     state.mkdir(parents=True, exist_ok=True)
-    embedded_nats: EmbeddedNats | None = None
+    embedded_nats: EmbeddedNats | NatsCluster | None = None
     embedded_pg: EmbeddedPostgres | None = None
     nats_url = os.environ.get("NATS_URL")
     database_url = os.environ.get("DATABASE_URL")
     secrets: dict[str, str] = {}
     if not nats_url:
         secrets = load_or_create_secrets(secrets_file(), USERS)
-        embedded_nats = start_nats(state, auth=accounts_block(secrets))
+        auth = accounts_block(secrets)
+        if nats_cluster > 1:
+            embedded_nats = start_nats_cluster(state, nats_cluster, auth)
+        else:
+            embedded_nats = start_nats(state, auth=auth)
         nats_url = embedded_nats.url
     if not database_url:
         embedded_pg = start_postgres(state)
@@ -267,8 +322,11 @@ async def run_stack(specs: list[ServiceSpec] | None = None, replicas: int = 1) -
         return Credentials(user, secrets[user]) if secrets else env_credentials()
 
     # Streams have one owner: provisioned here, before any service checks them.
-    await provision(nats_url, identity(PROVISION))
+    copies = stream_replicas(nats_cluster)
+    await provision(nats_url, identity(PROVISION), copies)
     env = {**os.environ, "NATS_URL": nats_url, "DATABASE_URL": database_url}
+    if nats_cluster > 1:
+        env["AGENTBUS_STREAM_REPLICAS"] = str(copies)
 
     def service_env(name: str) -> dict[str, str]:
         if not secrets:  # a NATS named by NATS_URL: the environment's credentials, if any
@@ -297,6 +355,7 @@ async def run_stack(specs: list[ServiceSpec] | None = None, replicas: int = 1) -
                     "database_url": database_url,
                     "services": [s.name for s in specs],
                     "replicas": replicas,
+                    "nats_cluster": nats_cluster,
                 },
                 indent=2,
             )

@@ -4,7 +4,7 @@ Agents always run inside the harness, and the harness never talks to an LLM
 provider directly: only the metering service does (ADR 0008 decision 2).
 """
 
-from harness.client import MeteringClient
+from harness.client import MeteringClient, StreamSilent
 from harness.loop import LoopContext, LoopResult, LoopStatus, ToolLoop, TurnIds
 from harness.tools import Halt, PostToolHook, PreToolHook, Tool, ToolResult
 
@@ -16,6 +16,7 @@ __all__ = [
     "MeteringClient",
     "PostToolHook",
     "PreToolHook",
+    "StreamSilent",
     "Tool",
     "ToolLoop",
     "ToolResult",

@@ -54,6 +54,12 @@ async def connect_service(settings: ServiceSettings, service: str) -> Client:
     )
 
 
+def server_urls(url: str) -> list[str]:
+    """The servers a `NATS_URL` names: one URL, or a cluster's URLs joined by commas
+    (nats-py takes a list; the client fails over between them)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 def identity_options(credentials: Credentials | None) -> dict[str, str]:
     """nats-py's connect options for `credentials` (none: the URL's, or anonymous)."""
     if credentials is None:
@@ -82,7 +88,7 @@ async def connect(url: str, name: str, credentials: Credentials | None = None) -
         log.warning("nats_error", client=name, error=repr(exc))
 
     return await nats.connect(
-        url,
+        server_urls(url),
         name=name,
         **identity_options(credentials),
         max_reconnect_attempts=-1,

@@ -164,6 +164,7 @@ SUBSCRIBE = [
         False,
     ),
     ("criativo", CHAT, False),  # it consumes through its durable, not a core subscription
+    ("criativo", DELTA, True),  # its streams' liveness (harness.client), never to publish
     (OPS, CLOSED, True),
     (OPS, "handoff.>", True),
     (OPS, "session.>", True),

@@ -66,6 +66,11 @@ class CriativoSettings(ServiceSettings):
     # How long a turn id still running in metering (an earlier delivery's call) is
     # waited for before it is tried again under a retry id.
     turn_in_progress_wait_seconds: float = 120.0
+    # A started answer stream with no delta and no reply for this long lost its metering
+    # replica (SIGKILLed mid-turn): tried again under its next retry id rather than
+    # waiting out the request's 600 s (harness.client). Longer than any pause of a model
+    # between two pieces of text.
+    stream_silence_seconds: float = 30.0
     # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
     session_budget_micros: int | None = 2_000_000
 

@@ -28,7 +28,7 @@ from uuid import UUID
 
 from nats.js import JetStreamContext
 from nats.js.api import Header, KeyValueConfig
-from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from servicekit.logs import get_logger
@@ -71,13 +71,22 @@ class SessionLeases:
         kv, key = self._kv, str(session_id)
         revision = await self._acquire(kv, key)
         state = {"revision": revision}
-        renewer = asyncio.create_task(self._renew(kv, key, state))
+        done = asyncio.Event()
+        renewer = asyncio.create_task(self._renew(kv, key, state, done))
         try:
             yield
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # Told to stop, not cancelled: a cancel that lands as a renewal's ack arrives
+            # can be swallowed (asyncio.wait_for before Python 3.12, inside nats-py's
+            # request), leaving a renewer that never ends and a `hold` that never
+            # returns; and a renewal cut short leaves a stale revision to delete with.
+            # Both seen at 100 people (bench/chaos.py): sessions stuck for good.
+            done.set()
+            try:
                 await renewer
+            except asyncio.CancelledError:  # we are being stopped: so is the renewer
+                renewer.cancel()
+                raise
             try:
                 await self._release(key, state["revision"])
             except Exception as exc:  # expired or taken: it is not ours to delete
@@ -106,10 +115,22 @@ class SessionLeases:
                 return await kv.create(key, self._instance)
             except KeyWrongLastSequenceError:
                 await asyncio.sleep(RETRY_SECONDS)  # held elsewhere: until released or expired
+            except KeyNotFoundError:
+                # nats-py's `create` reads the key back after a refused create, to tell a
+                # live lease from a delete marker. On an R3 bucket that read may be served
+                # by a replica that is behind, or the lease was released (its marker aged
+                # out) in between: not found. Either way, try again. Seen at 100 people on
+                # the 3-node cluster (bench/chaos.py): without this the input failed and
+                # waited out the consumer's backoff, minutes.
+                await asyncio.sleep(RETRY_SECONDS)
 
-    async def _renew(self, kv: KeyValue, key: str, state: dict[str, int]) -> None:
+    async def _renew(
+        self, kv: KeyValue, key: str, state: dict[str, int], done: asyncio.Event
+    ) -> None:
         while True:
-            await asyncio.sleep(self._ttl / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self._ttl / 3)
+                return
             try:
                 state["revision"] = await kv.update(key, self._instance, last=state["revision"])
             except Exception as exc:

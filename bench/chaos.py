@@ -1,0 +1,951 @@
+"""The whole system the way a deployment runs it, while things die (issue 13).
+
+A 3-node JetStream cluster (`servicekit.embedded.start_nats_cluster`: routes on loopback,
+`sync_interval: always`, every stream on 3 nodes), the embedded Postgres, and two
+supervised processes of every service (`devstack.stack.Supervised`, as `agentbus up
+--replicas 2 --nats-cluster 3` runs them); metering answers from a scripted model that
+logs each of its calls (`bench/chaoskit/chaos_metering.py`).
+
+N simulated people, each in a project of their own, go **through the gateway WebSocket**
+(either replica) through the whole story: open a session, start Criativo, six messages
+(two of them rules, two typed in bursts while a turn runs), two deliberate reconnects
+that resume with `after_seq`, readiness, accept (even people) or reject (odd) the offer
+to `po`, close. A person whose socket drops reconnects with backoff and resumes; a frame
+left unanswered is sent again only when the log shows it did not happen.
+
+The run is two rounds of N people: a calm one, then one under chaos, whose driver
+SIGKILLs random service replicas (every service `--kills` times), SIGKILLs one NATS node
+and starts it again 10 s later, restarts both gateway replicas (SIGTERM: every client
+reconnects and resumes) and pauses Postgres for 3 s (SIGSTOP/SIGCONT).
+
+Checked at the end, from the log and the databases, each with its evidence when broken
+(exit code 1):
+- every chat message answered exactly once (one `agent.response` caused by it);
+- per person, the events received over the WebSocket equal the log's, in order, none
+  missing, none twice (up to the session's closing);
+- one brief per readiness, one offer to `po` per brief;
+- every closed session analysed exactly once (one `psychologist.analysis_completed`
+  or `_failed`);
+- every call the model logged has its `token_usage` row (a call whose metering replica
+  was SIGKILLed mid-call has none: its budget hold is left for the sweeper, shown apart);
+- no run budget overspent; every outbox drained; no dead letter.
+
+Figures: sessions, events, kills, the longest time from a kill to the next answer any
+person received, answer latency (chat sent → its `agent.response` received) under chaos
+against the calm round.
+
+    .venv/bin/python bench/chaos.py [--people 100] [--kills 2] [--seed 13]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import nats
+import psutil
+from nats.aio.client import Client
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+import benchkit as bk
+from devstack.services import ServiceSpec, discover
+from devstack.stack import Supervised, provision, replica_env
+from servicekit.bus import Credentials, identity_options, server_urls
+from servicekit.embedded import NatsCluster, free_ports, start_nats_cluster, start_postgres
+from servicekit.natsconf import accounts_block, load_or_create_secrets
+from servicekit.permissions import ADMIN, PROVISION, USERS
+
+HERE = Path(__file__).resolve().parent
+SECRET = "chaos-secret-" + "x" * 40
+REPLICAS = 2
+NATS_NODES = 3
+NATS_DOWN_SECONDS = 10.0
+PG_PAUSE_SECONDS = 3.0
+ANSWER_PATIENCE = 600.0  # how long a person waits for one answer before the run fails
+FRAME_PATIENCE = 120.0  # a frame unanswered this long: the socket is given up
+STALL_SECONDS = 20.0  # the log ahead of an open socket this long: the relay stalled
+CALLS = "AGENTBUS_CHAOS_CALLS_PATH"
+MESSAGES = [  # (text, sent right after the previous one: a burst while its turn runs)
+    ("I want an app for the bakery on my street", False),
+    ("RULE: orders placed after 6pm are delivered the next day", False),
+    ("and customers pay when they pick the bread up", True),
+    ("what would the first screen show?", False),
+    ("RULE: a customer may hold at most three open orders", False),
+    ("also, a loyalty stamp for every tenth order", True),
+]
+ARRIVED = "_arrived"  # when a person received an event (kept beside the event)
+RECONNECT_AFTER = {2, 4}  # drop the socket and resume after these messages (1-based)
+
+
+class Lost(Exception):
+    """The socket closed before the frame was answered."""
+
+
+class Refused(Exception):
+    """The gateway answered a frame with an error frame."""
+
+    def __init__(self, frame: dict[str, Any]) -> None:
+        super().__init__(f"{frame.get('code')}: {frame.get('message')}")
+        self.code = str(frame.get("code"))
+
+
+@dataclass
+class Person:
+    """One simulated person and everything they saw over the WebSocket."""
+
+    index: int
+    project: str
+    token: str
+    ports: list[int]
+    events: list[dict[str, Any]] = field(default_factory=list)  # in arrival order
+    duplicates: list[int] = field(default_factory=list)  # seqs received twice
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # (expected, got)
+    latencies: list[float] = field(default_factory=list)  # chat sent → its answer
+    connects: int = 0
+    session_id: str = ""
+    failure: str | None = None
+    _ws: ClientConnection | None = None
+    _answers: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The log's last seq of a session (read from Postgres: the truth), to tell a quiet
+    # session from a socket that stopped relaying; and the stalls seen that way.
+    log_seq: Callable[[str], Awaitable[int]] | None = None
+    stalls: list[str] = field(default_factory=list)
+    close_at_once: bool = False
+    _behind_since: float | None = None
+
+    @property
+    def last_seq(self) -> int:
+        return int(self.events[-1]["seq"]) if self.events else 0
+
+    def url(self) -> str:
+        port = self.ports[(self.index + self.connects) % len(self.ports)]
+        return f"ws://127.0.0.1:{port}/ws?token={self.token}"
+
+    # -- the connection -----------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """(Re)connect to a gateway replica and join the session after the last event seen;
+        back off while the gateways restart."""
+        delay = 0.2
+        while True:
+            self.connects += 1
+            try:
+                ws = await connect(self.url(), max_size=None, open_timeout=10)
+            except (OSError, InvalidHandshake, InvalidStatus, TimeoutError):
+                await asyncio.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 3.0)
+                continue
+            self._ws = ws
+            reader = asyncio.create_task(self._read(ws))
+            try:
+                await self._send(
+                    ws, {"type": "join", "session_id": self.session_id, "after_seq": self.last_seq}
+                )
+                return
+            except (Lost, Refused, TimeoutError):
+                reader.cancel()
+                await ws.close()
+                await asyncio.sleep(delay)
+
+    async def drop(self) -> None:
+        """Close the socket deliberately (a tab reloaded) and resume on the other replica."""
+        if self._ws is not None:
+            await self._ws.close()
+        await self.connect()
+
+    async def _read(self, ws: ClientConnection) -> None:
+        try:
+            async for raw in ws:
+                frame = json.loads(raw)
+                kind = frame["type"]
+                if kind == "event":
+                    self._event(frame["event"])
+                elif kind in ("ack", "error") and frame.get("ref") in self._answers:
+                    future = self._answers.pop(frame["ref"])
+                    if not future.done():
+                        future.set_result(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            if self._ws is ws:
+                self._ws = None
+            for future in self._answers.values():
+                if not future.done():
+                    future.set_exception(Lost())
+            self._answers.clear()
+            self._changed.set()
+
+    def _event(self, event: dict[str, Any]) -> None:
+        seq = int(event["seq"])
+        if seq <= self.last_seq:
+            self.duplicates.append(seq)
+            return
+        if seq != self.last_seq + 1:
+            self.gaps.append((self.last_seq + 1, seq))
+        event[ARRIVED] = time.time()
+        self.events.append(event)
+        self._changed.set()
+
+    async def _send(self, ws: ClientConnection, frame: dict[str, Any]) -> dict[str, Any]:
+        ref = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._answers[ref] = future
+        try:
+            await ws.send(json.dumps({**frame, "ref": ref}))
+        except ConnectionClosed:
+            # Forget the socket here: the reader that would do it cannot run while a
+            # caller retries (a send on a closed socket fails without yielding).
+            self._answers.pop(ref, None)
+            if self._ws is ws:
+                self._ws = None
+            raise Lost() from None
+        try:
+            reply = await asyncio.wait_for(future, FRAME_PATIENCE)
+        except TimeoutError:
+            self.stalls.append(
+                f"p{self.index}: {frame['type']} unanswered for {FRAME_PATIENCE:.0f} s "
+                f"(connection {self.connects})"
+            )
+            await ws.close()
+            raise Lost() from None
+        if reply["type"] == "error":
+            raise Refused(reply)
+        result: dict[str, Any] = reply["result"]
+        return result
+
+    async def act(
+        self, frame: dict[str, Any], done: Callable[[], dict[str, Any] | None] | None = None
+    ) -> dict[str, Any]:
+        """Send `frame` until it is answered. After a lost socket it is sent again only if
+        `done()` (asked once the resumed join has caught up) finds no trace of it in the log;
+        a dependency still restarting is waited out."""
+        while True:
+            if self._ws is None:
+                await self.connect()
+                if done is not None and (found := done()) is not None:
+                    return found
+            ws = self._ws
+            assert ws is not None
+            try:
+                return await self._send(ws, frame)
+            except Lost:
+                continue
+            except Refused as exc:
+                if exc.code not in ("dependency_unavailable", "unavailable", "timeout"):
+                    raise
+                await asyncio.sleep(1.0)
+
+    async def wait_event(self, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The first event received that matches, reconnecting whenever the socket drops."""
+        deadline = time.monotonic() + ANSWER_PATIENCE
+        while True:
+            found = next((e for e in self.events if match(e)), None)
+            if found is not None:
+                return found
+            if self._ws is None:
+                await self.connect()
+                continue
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("waited too long for an event")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 5.0))
+            if await self._stalled():
+                await self.drop()  # what a watchful client does: resume from the log
+
+    async def _stalled(self) -> bool:
+        """True when the log has had events past the last one received for STALL_SECONDS
+        while the socket stayed open (the gateway stopped relaying): recorded as a stall."""
+        if self.log_seq is None or self._ws is None:
+            return False
+        latest = await self.log_seq(self.session_id)
+        now = time.monotonic()
+        if latest <= self.last_seq:
+            self._behind_since = None
+            return False
+        if self._behind_since is None:
+            self._behind_since = now
+            return False
+        if now - self._behind_since < STALL_SECONDS:
+            return False
+        self.stalls.append(
+            f"p{self.index}: seq {self.last_seq + 1}..{latest} in the log, not received "
+            f"for {now - self._behind_since:.0f} s on an open socket (connection {self.connects})"
+        )
+        self._behind_since = None
+        return True
+
+    def find(self, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        return next((e for e in self.events if match(e)), None)
+
+    # -- the story ----------------------------------------------------------------------
+
+    async def story(self, base_url: str) -> None:
+        try:
+            await self._story(base_url)
+        except Exception as exc:  # reported with the invariants, never fatal to the others
+            self.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self._ws is not None:
+                await self._ws.close()
+
+    async def _story(self, base_url: str) -> None:
+        self.session_id = await self._open(base_url)
+        await self.connect()
+        with contextlib.suppress(Refused):  # already active after a lost ack
+            await self.act({"type": "start_agent", "agent": "criativo"})
+        await self.wait_event(lambda e: e["type"] == "agent.activated")
+        pending: list[tuple[str, float]] = []
+        for number, (text, burst) in enumerate(MESSAGES, 1):
+            if not burst:
+                await self._answered(pending)
+                pending = []
+            sent = time.time()
+            reply = await self.act(
+                {"type": "chat", "text": f"{text} (p{self.index})", "client_msg_id": f"m{number}"}
+            )
+            pending.append((str(reply["event_id"]), sent))
+            if number in RECONNECT_AFTER:
+                await self.drop()
+        await self._answered(pending)
+
+        def readiness() -> dict[str, Any] | None:
+            return self.find(lambda e: e["type"] == "criativo.readiness_confirmed")
+
+        ready = await self.act({"type": "confirm_readiness"}, readiness)
+        ready_id = str(ready.get("event_id") or ready.get("id"))
+        await self.wait_event(
+            lambda e: e["type"] == "artifact.product_brief" and e["causation_id"] == ready_id
+        )
+        offer = await self.wait_event(
+            lambda e: e["type"] == "handoff.offered" and e["payload"]["to_agent"] == "po"
+        )
+        handoff_id = offer["payload"]["handoff_id"]
+        verdict = "accept" if self.index % 2 == 0 else "reject"
+
+        def decided() -> dict[str, Any] | None:
+            return self.find(
+                lambda e: (
+                    e["type"] == f"handoff.{verdict}ed" and e["payload"]["handoff_id"] == handoff_id
+                )
+            )
+
+        await self.act({"type": f"{verdict}_handoff", "handoff_id": handoff_id}, decided)
+        await self.wait_event(lambda e: decided() is not None)
+        if verdict == "accept" and not self.close_at_once:
+            # PO's activation reaches the log through handoff's outbox; a closing that
+            # overtakes it gets it refused (conversation in a closed session) and dead-
+            # lettered: `--close-at-once` shows that race, reported apart.
+            await self.wait_event(
+                lambda e: e["type"] == "agent.activated" and e["payload"].get("agent") == "po"
+            )
+
+        def closed() -> dict[str, Any] | None:
+            return self.find(lambda e: e["type"] == "session.closed")
+
+        await self.act({"type": "close_session"}, closed)
+        await self.wait_event(lambda e: e["type"] == "session.closed")
+
+    async def _answered(self, pending: list[tuple[str, float]]) -> None:
+        for message_id, sent in pending:
+            answer = await self.wait_event(answer_to(message_id))
+            self.latencies.append(float(answer[ARRIVED]) - sent)
+
+    async def _open(self, base_url: str) -> str:
+        """Open a session over HTTP, on whichever gateway answers."""
+        delay = 0.2
+        async with httpx.AsyncClient(timeout=30) as http:
+            for attempt in range(1000):
+                port = self.ports[(self.index + attempt) % len(self.ports)]
+                url = f"{base_url}:{port}/api/projects/{self.project}/sessions?token={self.token}"
+                with contextlib.suppress(httpx.HTTPError):
+                    reply = await http.post(url)
+                    if reply.status_code == 201:
+                        return str(reply.json()["session_id"])
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 3.0)
+        raise TimeoutError("no gateway opened a session")
+
+
+def mint_tokens(projects: list[str]) -> list[str]:
+    """A token per project from the gateway's own `mint`, in a child process: bench/gateway.py,
+    beside this script, shadows the `gateway` package on this script's path."""
+    code = (
+        "import sys; from gateway.auth import mint\n"
+        "for p in sys.argv[2:]: print(mint(sys.argv[1], p, 'person'))"
+    )
+    argv = [sys.executable, "-P", "-c", code, SECRET, *projects]
+    return subprocess.check_output(argv, text=True).split()
+
+
+def answer_to(message_id: str) -> Callable[[dict[str, Any]], bool]:
+    """Matches the `agent.response` caused by the message `message_id`."""
+    return lambda e: e["type"] == "agent.response" and e["causation_id"] == message_id
+
+
+# -- the system under test ------------------------------------------------------------------
+
+
+@dataclass
+class System:
+    """The servers and every supervised service replica of one run."""
+
+    state: Path
+    cluster: NatsCluster
+    database_url: str
+    pgdata: Path
+    supervised: list[Supervised]
+    gateway_ports: list[int]
+    calls_path: Path
+
+    def replicas(self, service: str) -> list[Supervised]:
+        return [s for s in self.supervised if s.spec.name == service]
+
+    def postgres_pids(self) -> list[int]:
+        """The postmaster and every backend (all must stop for the database to pause)."""
+        postmaster = int((self.pgdata / "postmaster.pid").read_text().split()[0])
+        parent = psutil.Process(postmaster)
+        return [postmaster, *(c.pid for c in parent.children(recursive=True))]
+
+
+def consecutive_free_ports(count: int) -> int:
+    """A port P with P … P + count - 1 all free (the gateway replicas' ports)."""
+    for _ in range(100):
+        (base,) = free_ports(1)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(_bound(port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+@contextlib.contextmanager
+def _bound(port: int) -> Any:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))
+        yield probe
+
+
+async def start_system(stack: contextlib.AsyncExitStack, state: Path) -> tuple[System, Client]:
+    """The 3-node cluster, Postgres, the streams (R3), two replicas of every service."""
+    secrets = load_or_create_secrets(state / "nats-secrets.json", USERS)
+    cluster = start_nats_cluster(state, NATS_NODES, accounts_block(secrets))
+    stack.callback(cluster.stop)
+    pg = start_postgres(state)
+    stack.callback(pg.stop)
+    await provision(cluster.url, Credentials(PROVISION, secrets[PROVISION]), 3)
+    calls_path = state / "model-calls.jsonl"
+    gateway_port = consecutive_free_ports(REPLICAS)
+    env = {
+        **os.environ,
+        "NATS_URL": cluster.url,
+        "DATABASE_URL": pg.url,
+        "AGENTBUS_STREAM_REPLICAS": "3",
+        "AGENTBUS_LOG_LEVEL": "WARNING",
+        "AGENTBUS_LOG_FORMAT": "json",
+        "AGENTBUS_GATEWAY_SECRET": SECRET,
+        "AGENTBUS_GATEWAY_PORT": str(gateway_port),
+        "AGENTBUS_OUTBOX_POLL_SECONDS": "0.2",
+        # A hold whose replica was SIGKILLed mid-call is settled at its worst case by the
+        # sweeper once older than any call can last: seconds here, where calls last < 5 s.
+        "AGENTBUS_ABANDONED_HOLD_SECONDS": "60",
+        "AGENTBUS_HOLD_SWEEP_INTERVAL_SECONDS": "5",
+        CALLS: str(calls_path),
+        # Only the folder of the logging model: bench/ holds scripts named like services.
+        "PYTHONPATH": str(HERE / "chaoskit"),
+        "PYTHONSAFEPATH": "1",
+    }
+    specs = [
+        ServiceSpec(s.name, "chaos_metering") if s.name == "metering" else s for s in discover()
+    ]
+    supervised = []
+    for spec in specs:
+        own = {**env, "NATS_USER": spec.name, "NATS_PASSWORD": secrets[spec.name]}
+        web = gateway_port if spec.name == "gateway" else None
+        for i in range(1, REPLICAS + 1):
+            log = state / f"{spec.name}-{i}.log"
+            supervised.append(Supervised(spec, replica_env(own, spec.name, i, web), i, log))
+    tasks = [asyncio.create_task(s.run()) for s in supervised]
+
+    async def stop_services() -> None:
+        await asyncio.gather(*(s.stop() for s in supervised))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    stack.push_async_callback(stop_services)
+    nc = await nats.connect(
+        server_urls(cluster.url),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        **identity_options(Credentials(ADMIN, secrets[ADMIN])),
+    )
+    stack.push_async_callback(nc.close)
+    for spec in specs:
+        await wait_replicas(nc, spec.name, REPLICAS)
+    ports = [gateway_port + i for i in range(REPLICAS)]
+    system = System(state, cluster, pg.url, state / "pg", supervised, ports, calls_path)
+    return system, nc
+
+
+async def wait_replicas(nc: Client, service: str, count: int, timeout: float = 180) -> None:
+    """Until `count` instances of `service` answer `$SRV.PING`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        found = set()
+        await nc.publish(f"$SRV.PING.{service}", b"", reply=inbox)
+        with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
+            while True:
+                msg = await sub.next_msg(timeout=0.5)
+                if msg.data:
+                    found.add(json.loads(msg.data)["id"])
+        await sub.unsubscribe()
+        if len(found) >= count:
+            return
+    raise TimeoutError(f"{service}: fewer than {count} replicas answered in {timeout}s")
+
+
+# -- chaos ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Blow:
+    """One thing the driver did, and when."""
+
+    at: float
+    what: str
+    kind: str  # kill | nats | gateway | postgres
+
+
+async def drive_chaos(
+    system: System, rng: random.Random, kills_per_service: int, gap: float
+) -> list[Blow]:
+    """SIGKILL random replicas (each service `kills_per_service` times), one NATS node
+    (back after 10 s), both gateways restarted, Postgres paused 3 s; one blow per `gap`."""
+    services = sorted({s.spec.name for s in system.supervised})
+    plan = [("kill", name) for name in services for _ in range(kills_per_service)]
+    plan += [("nats", ""), ("gateway", ""), ("postgres", "")]
+    rng.shuffle(plan)
+    blows: list[Blow] = []
+    background: list[asyncio.Task[None]] = []
+    for kind, name in plan:
+        await asyncio.sleep(gap)
+        if kind == "kill":
+            alive = [s for s in system.replicas(name) if s.pid is not None]
+            victim = rng.choice(alive) if alive else None
+            if victim is None or victim.pid is None:
+                continue
+            os.kill(victim.pid, signal.SIGKILL)
+            blows.append(Blow(time.time(), f"SIGKILL {name}-{victim.replica}", kind))
+        elif kind == "nats":
+            node = rng.randrange(NATS_NODES)
+            system.cluster.kill_node(node)
+            blows.append(Blow(time.time(), f"SIGKILL nats node {node + 1}", kind))
+            background.append(asyncio.create_task(_nats_back(system, node, blows)))
+        elif kind == "gateway":
+            for s in system.replicas("gateway"):
+                if s.pid is not None:
+                    os.kill(s.pid, signal.SIGTERM)
+            blows.append(Blow(time.time(), "restart both gateways (SIGTERM)", kind))
+        else:
+            pids = system.postgres_pids()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            blows.append(Blow(time.time(), f"SIGSTOP Postgres ({len(pids)} processes)", kind))
+            await asyncio.sleep(PG_PAUSE_SECONDS)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    await asyncio.gather(*background)
+    return blows
+
+
+async def _nats_back(system: System, node: int, blows: list[Blow]) -> None:
+    await asyncio.sleep(NATS_DOWN_SECONDS)
+    await asyncio.to_thread(system.cluster.start_node, node)
+    blows.append(Blow(time.time(), f"nats node {node + 1} started again", "nats-back"))
+
+
+# -- one round ------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    name: str
+    people: list[Person]
+    seconds: float
+    blows: list[Blow] = field(default_factory=list)
+
+    @property
+    def latencies(self) -> list[float]:
+        return sorted(x for p in self.people for x in p.latencies)
+
+
+async def run_round(
+    system: System,
+    pool: asyncpg.Pool,
+    name: str,
+    count: int,
+    chaos: Callable[[], Any] | None = None,
+    close_at_once: bool = False,
+) -> Round:
+    projects = [f"chaos-{name}-{i}" for i in range(count)]
+
+    async def log_seq(session_id: str) -> int:
+        seq = await pool.fetchval(
+            "SELECT last_seq FROM session_events.sessions WHERE id = $1::uuid", session_id
+        )
+        return int(seq or 0)
+
+    people = [
+        Person(
+            i, project, token, system.gateway_ports, log_seq=log_seq, close_at_once=close_at_once
+        )
+        for i, (project, token) in enumerate(zip(projects, mint_tokens(projects), strict=True))
+    ]
+
+    async def start(person: Person) -> None:
+        await asyncio.sleep(person.index * 0.05)  # arrivals spread a little
+        await person.story("http://127.0.0.1")
+
+    began = time.perf_counter()
+    stories = asyncio.gather(*(start(p) for p in people))
+    blows: list[Blow] = []
+    if chaos is not None:
+        blows, _ = await asyncio.gather(chaos(), stories)
+    else:
+        await stories
+    return Round(name, people, time.perf_counter() - began, blows)
+
+
+# -- invariants -----------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    broken: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+    def check(self, name: str, evidence: list[str]) -> None:
+        if evidence:
+            shown = "; ".join(evidence[:8]) + (
+                f" (+{len(evidence) - 8} more)" * (len(evidence) > 8)
+            )
+            self.broken.append(f"{name}: {shown}")
+        else:
+            self.held.append(name)
+
+
+async def settle(pool: asyncpg.Pool, sessions: list[str], timeout: float = 300) -> None:
+    """Wait until every closed session is analysed and every outbox is empty (the effects
+    the invariants look at; a bounded wait, whatever is missing then is reported)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts = await pool.fetchrow(
+            """SELECT count(DISTINCT session_id) FILTER (WHERE type IN
+                      ('psychologist.analysis_completed', 'psychologist.analysis_failed')),
+                      count(DISTINCT session_id) FILTER (WHERE type LIKE 'session.closed%')
+                 FROM session_events.events WHERE session_id = ANY($1::uuid[])""",
+            sessions,
+        )
+        analysed, closed = (counts[0], counts[1]) if counts else (0, 0)
+        waiting = sum(
+            [
+                await pool.fetchval(f"SELECT count(*) FROM {s}.outbox")
+                for s in await outbox_schemas(pool)
+            ]
+        )
+        if analysed >= closed and waiting == 0:  # a session left open is reported apart
+            return
+        await asyncio.sleep(1)
+
+
+async def outbox_schemas(pool: asyncpg.Pool) -> list[str]:
+    rows = await pool.fetch(
+        "SELECT table_schema FROM information_schema.tables WHERE table_name = 'outbox'"
+    )
+    return sorted(r["table_schema"] for r in rows)
+
+
+async def check(pool: asyncpg.Pool, rounds: list[Round], calls_path: Path) -> Verdict:
+    verdict = Verdict()
+    people = [p for r in rounds for p in r.people]
+    verdict.check(
+        "every person finished the story",
+        [f"p{p.index}@{p.project}: {p.failure}" for p in people if p.failure],
+    )
+    sessions = [p.session_id for p in people if p.session_id]
+    events = await pool.fetch(
+        """SELECT id::text, session_id::text, seq, type, causation_id::text, payload
+             FROM session_events.events WHERE session_id = ANY($1::uuid[])
+            ORDER BY session_id, seq""",
+        sessions,
+    )
+    by_session: dict[str, list[Any]] = defaultdict(list)
+    for e in events:
+        by_session[e["session_id"]].append(e)
+
+    caused = Counter((e["causation_id"], e["type"]) for e in events)
+    verdict.check(
+        "every chat message answered exactly once",
+        [
+            f"message {e['id']} answered {caused[(e['id'], 'agent.response')]} times"
+            f" ({caused[(e['id'], 'agent.error')]} errors)"
+            for e in events
+            if e["type"] == "chat.message" and caused[(e["id"], "agent.response")] != 1
+        ],
+    )
+
+    mismatches = []
+    for p in people:
+        if not p.session_id:
+            continue
+        log = by_session[p.session_id]
+        closing = next((e["seq"] for e in log if e["type"] == "session.closed"), None)
+        seen = [(int(e["seq"]), str(e["id"])) for e in p.events]
+        upto = closing if closing is not None else (seen[-1][0] if seen else 0)
+        want = [(int(e["seq"]), e["id"]) for e in log if e["seq"] <= upto]
+        got = [x for x in seen if x[0] <= upto]
+        if p.duplicates or p.gaps or got != want:
+            missing = sorted(set(want) - set(got))[:3]
+            mismatches.append(
+                f"p{p.index}: {len(got)} received vs {len(want)} logged, "
+                f"duplicates {p.duplicates[:5]}, gaps {p.gaps[:3]}, "
+                f"missing {missing}"
+            )
+    verdict.check("WebSocket events equal the log (no gap, no duplicate)", mismatches)
+    verdict.check(
+        f"no open socket left behind the log for {STALL_SECONDS:.0f} s",
+        [stall for p in people for stall in p.stalls],
+    )
+
+    briefs = [e for e in events if e["type"] == "artifact.product_brief"]
+    verdict.check(
+        "one brief per readiness",
+        [
+            f"readiness {e['id']}: {caused[(e['id'], 'artifact.product_brief')]} briefs"
+            for e in events
+            if e["type"] == "criativo.readiness_confirmed"
+            and caused[(e["id"], "artifact.product_brief")] != 1
+        ],
+    )
+    offers = Counter(
+        _payload(e)["artifact_id"]
+        for e in events
+        if e["type"] == "handoff.offered" and _payload(e)["to_agent"] == "po"
+    )
+    verdict.check(
+        "one offer to po per brief",
+        [f"brief {b['id']}: {offers[b['id']]} offers" for b in briefs if offers[b["id"]] != 1],
+    )
+
+    analyses = Counter(
+        e["session_id"]
+        for e in events
+        if e["type"] in ("psychologist.analysis_completed", "psychologist.analysis_failed")
+    )
+    closed = {e["session_id"] for e in events if e["type"].startswith("session.closed")}
+    verdict.check(
+        "every closed session analysed exactly once",
+        [f"session {s}: {analyses[s]} analyses" for s in sorted(closed) if analyses[s] != 1],
+    )
+
+    calls = [
+        json.loads(line)
+        for line in (await asyncio.to_thread(calls_path.read_text)).splitlines()
+        if line
+    ]
+    usage = await pool.fetchval("SELECT count(*) FROM metering.token_usage")
+    unbilled = await pool.fetchval(
+        """SELECT count(*) FROM metering.budget_holds h
+            WHERE NOT EXISTS (SELECT 1 FROM metering.token_usage u WHERE u.turn_id = h.turn_id)"""
+    )
+    verdict.check(
+        "token_usage rows equal the model's calls",
+        []
+        if usage == len(calls)
+        else [
+            f"{len(calls)} calls logged by the model, {usage} token_usage rows, "
+            f"{unbilled} holds without a usage row (their replica died mid-call; "
+            "the sweeper settles them at their worst case)"
+        ],
+    )
+
+    overspent = await pool.fetch(
+        """SELECT run_id, budget_micros, spent_micros FROM metering.run_budgets
+            WHERE budget_micros IS NOT NULL AND spent_micros > budget_micros"""
+    )
+    verdict.check(
+        "no budget overspent",
+        [f"{r['run_id']}: spent {r['spent_micros']} of {r['budget_micros']}" for r in overspent],
+    )
+    schemas = await outbox_schemas(pool)
+    waiting = [
+        f"{s}: {n} rows"
+        for s in schemas
+        if (n := await pool.fetchval(f"SELECT count(*) FROM {s}.outbox"))
+    ]
+    verdict.check("outboxes drained", waiting)
+    dead = []
+    for s in schemas:
+        for r in await pool.fetch(f"SELECT consumer, subject, reason FROM {s}.dead_letters"):
+            dead.append(f"{s}.{r['consumer']} {r['subject']}: {r['reason']}")
+    verdict.check("no dead letter", dead)
+    return verdict
+
+
+def _payload(event: Any) -> dict[str, Any]:
+    payload = event["payload"]
+    return json.loads(payload) if isinstance(payload, str) else dict(payload)
+
+
+# -- figures --------------------------------------------------------------------------------
+
+
+def longest_kill_to_answer(blows: list[Blow], people: list[Person]) -> tuple[float, str]:
+    """The longest time from a blow to the next answer any person received after it."""
+    answers = sorted(
+        float(e[ARRIVED]) for p in people for e in p.events if e["type"] == "agent.response"
+    )
+    worst, which = 0.0, "-"
+    for blow in blows:
+        # a blow before the first answer only delays the start: nothing was answered yet
+        if blow.kind == "nats-back" or not answers or blow.at < answers[0]:
+            continue
+        after = next((a for a in answers if a > blow.at), None)
+        if after is not None and after - blow.at > worst:
+            worst, which = after - blow.at, blow.what
+    return worst, which
+
+
+def latency_line(name: str, values: list[float], base: list[float] | None = None) -> str:
+    qs = (0.5, 0.9, 0.99)
+    cells = "  ".join(f"p{int(q * 100)} {bk.percentile(values, q) * 1000:7.0f} ms" for q in qs)
+    text = f"  {name:<22} {cells}  max {max(values, default=0) * 1000:7.0f} ms  n={len(values)}"
+    if base:
+        ratios = "/".join(
+            f"{bk.ratio(bk.percentile(values, q), bk.percentile(base, q)):.2f}" for q in qs
+        )
+        text += f"  ratio p50/p90/p99 {ratios}"
+    return text
+
+
+async def run(
+    people: int, kills: int, seed: int, gap: float, calm: bool, close_at_once: bool
+) -> int:
+    rng = random.Random(seed)
+    random.seed(seed)
+    with tempfile.TemporaryDirectory(prefix="agentbus-chaos-") as folder:
+        state = Path(folder)
+        async with contextlib.AsyncExitStack() as stack:
+            t0 = time.perf_counter()
+            system, _ = await start_system(stack, state)
+            print(
+                f"chaos: 3-node JetStream cluster (R3, sync always), Postgres, "
+                f"{REPLICAS} replicas of {len(system.supervised) // REPLICAS} services; "
+                f"up in {time.perf_counter() - t0:.0f} s; {people} people per round, "
+                f"seed {seed}; {bk.load_average()}",
+                flush=True,
+            )
+            pool = await asyncpg.create_pool(system.database_url, min_size=1, max_size=4)
+            stack.push_async_callback(pool.close)
+            rounds = []
+            if calm:
+                rounds.append(await run_round(system, pool, "calm", people, None, close_at_once))
+                print(f"calm round: {rounds[-1].seconds:.0f} s", flush=True)
+
+            async def chaos() -> list[Blow]:
+                return await drive_chaos(system, rng, kills, gap)
+
+            rounds.append(await run_round(system, pool, "chaos", people, chaos, close_at_once))
+            storm = rounds[-1]
+            print(f"chaos round: {storm.seconds:.0f} s", flush=True)
+            sessions = [p.session_id for r in rounds for p in r.people if p.session_id]
+            await settle(pool, sessions)
+            verdict = await check(pool, rounds, system.calls_path)
+            restarts = {f"{s.spec.name}-{s.replica}": s.restarts for s in system.supervised}
+            total_events = await pool.fetchval(
+                "SELECT count(*) FROM session_events.events WHERE session_id = ANY($1::uuid[])",
+                sessions,
+            )
+        frames = sum(len(p.events) for r in rounds for p in r.people)
+        kinds = Counter(b.kind for b in storm.blows)
+        print(
+            f"sessions {len(sessions)}, events in the log {total_events}, "
+            f"event frames received {frames}, connection attempts after the first "
+            f"{sum(p.connects - 1 for r in rounds for p in r.people)}"
+        )
+        print(
+            f"blows: {kinds['kill']} replica SIGKILLs, {kinds['nats']} NATS node, "
+            f"{kinds['gateway']} gateway restart, {kinds['postgres']} Postgres pause; "
+            f"service restarts by the supervisor: {sum(restarts.values())}"
+        )
+        for blow in storm.blows:
+            print(f"  +{blow.at - storm.blows[0].at:6.1f} s  {blow.what}")
+        worst, which = longest_kill_to_answer(storm.blows, storm.people)
+        print(f"longest time from a blow to the next answer: {worst:.1f} s (after {which})")
+        print("answer latency (chat sent → its agent.response on the WebSocket):")
+        base = rounds[0].latencies if calm else None
+        if calm:
+            print(latency_line("calm", rounds[0].latencies))
+        print(latency_line("during chaos", storm.latencies, base))
+        for name in verdict.held:
+            print(f"  held    {name}")
+        for broken in verdict.broken:
+            print(f"  BROKEN  {broken}")
+        print(
+            "all invariants held"
+            if not verdict.broken
+            else f"{len(verdict.broken)} invariant(s) broken"
+        )
+        return 1 if verdict.broken else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--people", type=int, default=100)
+    parser.add_argument("--kills", type=int, default=2, help="SIGKILLs per service")
+    parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--gap", type=float, default=2.0, help="seconds between blows")
+    parser.add_argument("--no-calm", action="store_true", help="skip the calm round")
+    parser.add_argument(
+        "--close-at-once",
+        action="store_true",
+        help="close right after accepting, without waiting for PO's activation in the log",
+    )
+    args = parser.parse_args()
+    run_args = (args.people, args.kills, args.seed, args.gap, not args.no_calm, args.close_at_once)
+    code = asyncio.run(run(*run_args))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

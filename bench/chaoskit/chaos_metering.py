@@ -1,0 +1,71 @@
+"""metering as a real process for `bench/chaos.py`: the scripted provider, appending one
+JSON line per provider call to `$AGENTBUS_CHAOS_CALLS_PATH` before it answers.
+
+That file is the fake model's own record of its calls, which the chaos run compares with
+metering's `token_usage` rows. metering itself is untouched: its `main` takes the provider
+(as `tests/conversation_model_metering.py` does). Run with this folder on `PYTHONPATH`
+(only this folder: `bench/` holds scripts named like the services):
+`python -m chaos_metering`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from metering.app import MeteringSettings, main
+from metering.providers.base import OnText, Progress, ProviderReply, ProviderRequest
+from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
+from servicekit.runtime import run_service
+
+CALLS_ENV = "AGENTBUS_CHAOS_CALLS_PATH"
+
+# The offline demo's steps (metering.providers.scripted.DEFAULT_SCRIPT), except that only
+# a message saying "RULE" is recorded as a rule, so a person's rules are known in advance;
+# turns last a few hundred ms, so messages typed in a burst land while one streams.
+SCRIPT = Script(
+    token_delay_ms=10,
+    steps=[
+        ScriptStep(
+            has_tool="emit_hypotheses", after_tool_result=False, responder="psychologist_hypotheses"
+        ),
+        ScriptStep(
+            has_tool="emit_hypotheses", after_tool_error=True, responder="psychologist_hypotheses"
+        ),
+        ScriptStep(has_tool="emit_hypotheses", text="Analysis complete."),
+        ScriptStep(contains="product_brief", responder="criativo_brief"),
+        ScriptStep(
+            has_tool="emit_artifact",
+            contains="RULE",
+            after_tool_result=False,
+            responder="criativo_rule",
+        ),
+        ScriptStep(
+            has_tool="emit_artifact", after_tool_result=True, text="Noted that rule. What else?"
+        ),
+        ScriptStep(responder="echo"),
+    ],
+)
+
+
+class LoggedScripted(ScriptedProvider):
+    """The scripted provider, logging each call (agent, process, time) before answering."""
+
+    def __init__(self, script: Script, path: Path) -> None:
+        super().__init__(script)
+        self._path = path
+
+    async def complete(
+        self, request: ProviderRequest, progress: Progress, on_text: OnText | None
+    ) -> ProviderReply:
+        line = {"agent": request.agent_slug, "pid": os.getpid(), "at": time.time()}
+        with self._path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+        return await super().complete(request, progress, on_text)
+
+
+if __name__ == "__main__":
+    provider = LoggedScripted(SCRIPT, Path(os.environ[CALLS_ENV]))
+    run_service("metering", main(MeteringSettings(provider="scripted"), provider))
