@@ -930,6 +930,7 @@ async def run(
 
 
 def main() -> None:
+    global ANSWER_PATIENCE  # the people read it; set once, before they start
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--people", type=int, default=100)
     parser.add_argument("--kills", type=int, default=2, help="SIGKILLs per service")
@@ -941,7 +942,14 @@ def main() -> None:
         action="store_true",
         help="close right after accepting, without waiting for PO's activation in the log",
     )
+    parser.add_argument(
+        "--patience",
+        type=float,
+        default=ANSWER_PATIENCE,
+        help="seconds a person waits for one answer before the run fails with the evidence",
+    )
     args = parser.parse_args()
+    ANSWER_PATIENCE = args.patience
     run_args = (args.people, args.kills, args.seed, args.gap, not args.no_calm, args.close_at_once)
     code = asyncio.run(run(*run_args))
     sys.exit(code)
