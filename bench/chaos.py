@@ -859,12 +859,23 @@ def latency_line(name: str, values: list[float], base: list[float] | None = None
 
 
 async def run(
-    people: int, kills: int, seed: int, gap: float, calm: bool, close_at_once: bool
+    people: int,
+    kills: int,
+    seed: int,
+    gap: float,
+    calm: bool,
+    close_at_once: bool,
+    keep: Path | None = None,
 ) -> int:
     rng = random.Random(seed)
     random.seed(seed)
-    with tempfile.TemporaryDirectory(prefix="agentbus-chaos-") as folder:
-        state = Path(folder)
+    with contextlib.ExitStack() as folders:
+        if keep is None:
+            state = Path(
+                folders.enter_context(tempfile.TemporaryDirectory(prefix="agentbus-chaos-"))
+            )
+        else:
+            state = keep  # made by `main`, before the loop runs
         async with contextlib.AsyncExitStack() as stack:
             t0 = time.perf_counter()
             system, _ = await start_system(stack, state)
@@ -948,10 +959,17 @@ def main() -> None:
         default=ANSWER_PATIENCE,
         help="seconds a person waits for one answer before the run fails with the evidence",
     )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="a new folder for the run's state, kept afterwards (every replica's log is there)",
+    )
     args = parser.parse_args()
     ANSWER_PATIENCE = args.patience
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=False)
     run_args = (args.people, args.kills, args.seed, args.gap, not args.no_calm, args.close_at_once)
-    code = asyncio.run(run(*run_args))
+    code = asyncio.run(run(*run_args, keep=args.keep))
     sys.exit(code)
 
 

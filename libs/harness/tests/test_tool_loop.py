@@ -372,3 +372,50 @@ async def test_a_crashing_tool_is_told_to_the_model_unless_the_loop_lets_it_rais
     strict = ToolLoop(MeteringClient(nc), [tool], max_iterations=1, report_tool_crashes=False)
     with pytest.raises(ConnectionError, match="unreachable"):
         await strict.run(context("looper"))
+
+
+class DiesBeforeWriting(ScriptedProvider):
+    """The scripted model whose first call is taken and never answered (its metering
+    replica killed before the first word): no delta, no reply, until `released`."""
+
+    def __init__(self) -> None:
+        super().__init__(SCRIPT)
+        self.released = asyncio.Event()
+        self.attempts = 0
+
+    async def complete(self, request: Any, progress: Any, on_text: Any = None) -> Any:
+        self.attempts += 1
+        if self.attempts == 1:
+            await self.released.wait()
+        return await super().complete(request, progress, on_text)
+
+
+# Without the bounds the loop waits out the request's 600 s: the guard fails it first.
+GUARD_SECONDS = 60.0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-reply"])
+async def test_a_turn_lost_before_its_first_word_is_retried_under_its_retry_id(
+    nc: Client, start_metering: Starter, stream: bool
+) -> None:
+    provider = DiesBeforeWriting()
+    await start_metering(provider=provider)
+    # A stream: no delta 1 s after the request; a whole reply: no reply in 2 s.
+    client = MeteringClient(nc, timeout=2.0, silence_seconds=0.5, start_seconds=1.0)
+    if not stream:
+        client = MeteringClient(nc, timeout=2.0)
+    loop = ToolLoop(client, [], max_iterations=1)
+    ctx = context("talker", stream=stream, session_id=uuid.uuid4())
+    try:
+        result = await asyncio.wait_for(loop.run(ctx), GUARD_SECONDS)
+        assert (result.status, result.final_text) == (
+            "completed",
+            "Olá! Vamos desenhar a sua padaria juntos.",
+        )
+        assert result.turn_ids == [f"{ctx.run_id}.1.r1"]
+        # a re-run skips the lost id (still claimed in metering) and replays the retry
+        again = await asyncio.wait_for(loop.run(ctx), GUARD_SECONDS)
+        assert again.turn_ids == [f"{ctx.run_id}.1.r1"]
+        assert provider.attempts == 2
+    finally:
+        provider.released.set()  # the lost call ends, and metering bills it

@@ -71,6 +71,9 @@ class CriativoSettings(ServiceSettings):
     # waiting out the request's 600 s (harness.client). Longer than any pause of a model
     # between two pieces of text.
     stream_silence_seconds: float = 30.0
+    # The same before the first delta, counted from the request: a replica killed after
+    # taking the turn and before writing (a model may think before it writes: longer).
+    stream_start_seconds: float = 60.0
     # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
     session_budget_micros: int | None = 2_000_000
 

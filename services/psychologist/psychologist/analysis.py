@@ -38,6 +38,7 @@ from domain.psychologist import (
     validate_hypothesis_batch,
 )
 from harness import Halt, LoopContext, LoopResult, MeteringClient, Tool, ToolLoop, ToolResult
+from harness.client import TURN_LOST
 from psychologist.context import AnalysisContext, render, system_prompt
 from psychologist.repository import AnalysisRow, PsychologistRepository
 from servicekit.faults import crash_point
@@ -57,6 +58,7 @@ RETRYABLE_CODES = frozenset(
         ErrorCode.TURN_IN_PROGRESS.value,
         ErrorCode.PROVIDER_ERROR.value,
         ErrorCode.PROVIDER_OVERLOADED.value,
+        TURN_LOST,  # its metering replica died on every retry id: metering is away
     }
 )
 MAX_REASON_CHARS = 3000
