@@ -574,7 +574,14 @@ async def drive_chaos(
     for kind, name in plan:
         await asyncio.sleep(gap)
         if kind == "kill":
+            # Both replicas may be restarting (the gateways, just after their restart):
+            # the blow waits for one to be up rather than be skipped.
             alive = [s for s in system.replicas(name) if s.pid is not None]
+            for _ in range(300):
+                if alive:
+                    break
+                await asyncio.sleep(0.2)
+                alive = [s for s in system.replicas(name) if s.pid is not None]
             victim = rng.choice(alive) if alive else None
             if victim is None or victim.pid is None:
                 continue
