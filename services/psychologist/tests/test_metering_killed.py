@@ -1,0 +1,154 @@
+"""Metering SIGKILLed mid-analysis (issue 13: a closed session still had no analysis
+when the N = 100 chaos run's 300 s settle ended). The turn's metering replica never
+replies; the psychologist, whose whole-reply turns have no other sign of life, gives
+the turn up after `turn_lost_seconds` instead of holding the closing for the request's
+600 s, and runs it again under its retry id on the replica that is back: the session is
+analysed once, and the lost turn is never billed twice."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest_asyncio
+from nats.aio.client import Client
+
+from contracts import subjects
+from contracts.events import EventType
+from contracts.session_events import (
+    AppendedReply,
+    AppendEvent,
+    CloseSession,
+    EventsReply,
+    ListEvents,
+    OpenSession,
+    SessionClosedReply,
+    SessionOpenedReply,
+)
+from psychologist.app import main as psychologist_main
+from servicekit.client import call
+from servicekit.testing import outbox_drained, running_service, wait_for
+from session_events.app import LogSettings
+from session_events.app import main as log_main
+
+from .conftest import FINISHED, psychologist_settings
+
+# The first turn writes for ~3 s (time to be killed in), then offers an empty batch,
+# which the tool refuses; the second emits valid hypotheses.
+SLOW_FIRST_TURN = {
+    "steps": [
+        {
+            "has_tool": "emit_hypotheses",
+            "after_tool_result": False,
+            "text": " ".join(f"w{i}" for i in range(30)),
+            "token_delay_ms": 100,
+            "tool_calls": [{"name": "emit_hypotheses", "input": {"hypotheses": []}}],
+        },
+        {
+            "has_tool": "emit_hypotheses",
+            "after_tool_error": True,
+            "responder": "psychologist_hypotheses",
+        },
+        {"has_tool": "emit_hypotheses", "text": "Analysis complete."},
+    ]
+}
+# Well past the healthy turn's ~3 s, well short of the request's 600 s.
+TURN_LOST_SECONDS = 10.0
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def log_only(nats_url: str, database_url: str, nc: Client) -> AsyncIterator[asyncpg.Pool]:
+    """The log in this process; metering and the psychologist are the test's to start."""
+    settings = LogSettings(nats_url=nats_url, database_url=database_url, outbox_poll_seconds=0.2)
+    async with running_service(log_main(settings), nc, "session_events"):
+        pool = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
+        assert pool is not None
+        try:
+            yield pool
+        finally:
+            await pool.close()
+
+
+async def closed_session(nc: Client) -> uuid.UUID:
+    project = f"p-{uuid.uuid4().hex[:8]}"
+    opened = await call(
+        nc,
+        subjects.SESSIONS_OPEN,
+        OpenSession(project_id=project, opened_by="user:ana"),
+        SessionOpenedReply,
+    )
+    for i in range(3):
+        await call(
+            nc,
+            subjects.EVENTS_APPEND,
+            AppendEvent(
+                session_id=opened.session_id,
+                type="chat.message",
+                actor="user:ana",
+                payload={"text": f"mensagem {i}"},
+            ),
+            AppendedReply,
+        )
+    await call(
+        nc,
+        subjects.SESSIONS_CLOSE,
+        CloseSession(session_id=opened.session_id, closed_by="user:ana"),
+        SessionClosedReply,
+    )
+    return opened.session_id
+
+
+async def test_metering_sigkilled_mid_turn_the_analysis_completes_once_under_the_retry_id(
+    log_only: asyncpg.Pool,
+    spawn: Any,
+    nc: Client,
+    nats_url: str,
+    database_url: str,
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "slow.json"
+    script.write_text(json.dumps(SLOW_FIRST_TURN))
+    env = {"AGENTBUS_PROVIDER": "scripted", "AGENTBUS_SCRIPT_PATH": str(script)}
+    metering = spawn("metering", **env)
+    await metering.wait_ready(nc, "metering")
+    settings = psychologist_settings(nats_url, database_url, turn_lost_seconds=TURN_LOST_SECONDS)
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(
+            running_service(psychologist_main(settings), nc, "psychologist")
+        )
+        session = await closed_session(nc)
+        run_id = f"psychologist.{session}.auto"
+        first = f"{run_id}.1"
+        await wait_for(
+            lambda: log_only.fetchval(
+                "SELECT true FROM metering.budget_holds WHERE turn_id = $1", first
+            ),
+            timeout=30,
+            what="the analysis's first turn taken by metering",
+        )
+        metering.kill()  # SIGKILL mid-turn: no reply will ever come for this turn id
+        metering.start(**env)
+        await metering.wait_ready(nc, "metering")
+
+        async def outcomes() -> list[Any]:
+            reply = await call(
+                nc, subjects.EVENTS_LIST, ListEvents(session_id=session), EventsReply
+            )
+            return [e for e in reply.events if e.type.value in FINISHED]
+
+        # Well inside the request's 600 s: the lost turn is given up and retried.
+        [outcome] = await wait_for(outcomes, timeout=120, what="the analysis's outcome")
+        assert outcome.type == EventType.ANALYSIS_COMPLETED
+        await outbox_drained(log_only, "psychologist")
+        assert len(await outcomes()) == 1  # analysed exactly once
+        billed = await log_only.fetch(
+            "SELECT turn_id FROM metering.token_usage WHERE run_id = $1 ORDER BY turn_id", run_id
+        )
+        # the killed turn has no bill (its hold is the sweeper's); its retry and the
+        # second iteration one each
+        assert [r["turn_id"] for r in billed] == [f"{first}.r1", f"{run_id}.2"]
