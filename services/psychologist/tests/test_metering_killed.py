@@ -18,25 +18,13 @@ import asyncpg
 import pytest_asyncio
 from nats.aio.client import Client
 
-from contracts import subjects
 from contracts.events import EventType
-from contracts.session_events import (
-    AppendedReply,
-    AppendEvent,
-    CloseSession,
-    EventsReply,
-    ListEvents,
-    OpenSession,
-    SessionClosedReply,
-    SessionOpenedReply,
-)
 from psychologist.app import main as psychologist_main
-from servicekit.client import call
-from servicekit.testing import outbox_drained, running_service, wait_for
+from servicekit.testing import running_service, wait_for
 from session_events.app import LogSettings
 from session_events.app import main as log_main
 
-from .conftest import FINISHED, psychologist_settings
+from .conftest import FINISHED, LogDriver, psychologist_settings
 
 # The first turn writes for ~3 s (time to be killed in), then offers an empty batch,
 # which the tool refuses; the second emits valid hypotheses.
@@ -74,35 +62,6 @@ async def log_only(nats_url: str, database_url: str, nc: Client) -> AsyncIterato
             await pool.close()
 
 
-async def closed_session(nc: Client) -> uuid.UUID:
-    project = f"p-{uuid.uuid4().hex[:8]}"
-    opened = await call(
-        nc,
-        subjects.SESSIONS_OPEN,
-        OpenSession(project_id=project, opened_by="user:ana"),
-        SessionOpenedReply,
-    )
-    for i in range(3):
-        await call(
-            nc,
-            subjects.EVENTS_APPEND,
-            AppendEvent(
-                session_id=opened.session_id,
-                type="chat.message",
-                actor="user:ana",
-                payload={"text": f"mensagem {i}"},
-            ),
-            AppendedReply,
-        )
-    await call(
-        nc,
-        subjects.SESSIONS_CLOSE,
-        CloseSession(session_id=opened.session_id, closed_by="user:ana"),
-        SessionClosedReply,
-    )
-    return opened.session_id
-
-
 async def test_metering_sigkilled_mid_turn_the_analysis_completes_once_under_the_retry_id(
     log_only: asyncpg.Pool,
     spawn: Any,
@@ -121,7 +80,9 @@ async def test_metering_sigkilled_mid_turn_the_analysis_completes_once_under_the
         await stack.enter_async_context(
             running_service(psychologist_main(settings), nc, "psychologist")
         )
-        session = await closed_session(nc)
+        driver = LogDriver(nc, log_only, f"p-{uuid.uuid4().hex[:8]}")
+        session = await driver.session_with(3)
+        await driver.close(session)
         run_id = f"psychologist.{session}.auto"
         first = f"{run_id}.1"
         await wait_for(
@@ -135,17 +96,11 @@ async def test_metering_sigkilled_mid_turn_the_analysis_completes_once_under_the
         metering.start(**env)
         await metering.wait_ready(nc, "metering")
 
-        async def outcomes() -> list[Any]:
-            reply = await call(
-                nc, subjects.EVENTS_LIST, ListEvents(session_id=session), EventsReply
-            )
-            return [e for e in reply.events if e.type.value in FINISHED]
-
         # Well inside the request's 600 s: the lost turn is given up and retried.
-        [outcome] = await wait_for(outcomes, timeout=120, what="the analysis's outcome")
+        outcome = await driver.outcome(session, timeout=120)
         assert outcome.type == EventType.ANALYSIS_COMPLETED
-        await outbox_drained(log_only, "psychologist")
-        assert len(await outcomes()) == 1  # analysed exactly once
+        outcomes = [e for e in await driver.events(session) if e.type.value in FINISHED]
+        assert outcomes == [outcome]  # analysed exactly once
         billed = await log_only.fetch(
             "SELECT turn_id FROM metering.token_usage WHERE run_id = $1 ORDER BY turn_id", run_id
         )
