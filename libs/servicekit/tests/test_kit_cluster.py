@@ -65,6 +65,8 @@ async def test_an_r3_stream_keeps_acked_writes_through_a_node_killed_and_restart
                 await js.add_stream(config)
             except (ServiceUnavailableError, nats.errors.TimeoutError, NoStreamResponseError):
                 return False  # no meta leader elected yet
+            except BadRequestError:
+                return False  # a node not joined yet ("no suitable peers for placement")
             return True
 
         await wait_for(created, timeout=60, what="the R3 stream created")
