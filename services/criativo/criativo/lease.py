@@ -38,8 +38,10 @@ log = get_logger(__name__)
 
 BUCKET = "criativo_leases"
 RETRY_SECONDS = 0.02
-# How soon a renewal JetStream did not answer is tried again.
+# How soon a renewal or release JetStream did not answer is tried again, and how many
+# times a release is.
 RENEW_RETRY_SECONDS = 0.5
+RELEASE_ATTEMPTS = 3
 # Sessions whose release this replica remembers (the most recent ones).
 REMEMBERED_RELEASES = 10_000
 
@@ -90,10 +92,20 @@ class SessionLeases:
             except asyncio.CancelledError:  # we are being stopped: so is the renewer
                 renewer.cancel()
                 raise
+            await self._release_soon(key, state["revision"])
+
+    async def _release_soon(self, key: str, revision: int) -> None:
+        """Release, asking again while JetStream does not answer (a node just died): a
+        lease left behind holds the session's next input until it expires (the TTL)."""
+        for attempt in range(1, RELEASE_ATTEMPTS + 1):
             try:
-                await self._release(key, state["revision"])
+                await self._release(key, revision)
+                return
             except Exception as exc:  # expired or taken: it is not ours to delete
-                log.warning("lease_release_failed", session_id=key, error=repr(exc))
+                if not is_unavailable(exc) or attempt == RELEASE_ATTEMPTS:
+                    log.warning("lease_release_failed", session_id=key, error=repr(exc))
+                    return
+            await asyncio.sleep(RENEW_RETRY_SECONDS)
 
     async def _release(self, key: str, revision: int) -> None:
         """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
