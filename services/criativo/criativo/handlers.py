@@ -64,8 +64,11 @@ class CriativoSettings(ServiceSettings):
     max_tool_iterations: int = 4
     max_tokens: int = 2048
     # How long a turn id still running in metering (an earlier delivery's call) is
-    # waited for before it is tried again under a retry id.
-    turn_in_progress_wait_seconds: float = 120.0
+    # waited for before it is tried again under a retry id. As long as a stream may be
+    # silent before its first delta: past it, the metering replica running it is taken
+    # for dead too (both SIGKILLed, a person waited 120 s here plus the lease's TTL in
+    # the chaos runs); a live turn that long is answered by its retry, billed twice.
+    turn_in_progress_wait_seconds: float = 60.0
     # A started answer stream with no delta and no reply for this long lost its metering
     # replica (SIGKILLed mid-turn): tried again under its next retry id rather than
     # waiting out the request's 600 s (harness.client). Longer than any pause of a model
