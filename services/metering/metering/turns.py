@@ -34,7 +34,6 @@ from domain.metering import (
     cost_micros,
     estimate_input_tokens,
     reserve,
-    settle,
     worst_case_micros,
 )
 from metering.cancels import Cancellations, RunningTurn
@@ -415,16 +414,13 @@ class TurnRunner:
         raise AssertionError("unreachable")
 
     async def _record_once(self, record: UsageRecord, run_id: str) -> int | None:
-        """The usage row and the settled hold in one transaction (run row locked first,
-        in the same order as a reservation, so the two never deadlock)."""
-        async with self._repo.transaction() as tx:
-            run = await tx.lock_run(run_id)
-            if await tx.insert_usage(record):
-                held = await tx.settle_hold(record.turn_id, record.cost_micros)
-                # No live hold (lost with a crashed store): the cost is still spent.
-                run = settle(run, held or 0, record.cost_micros)
-                version = await tx.save_run(run_id, run)
-                self._remember(run_id, StoredRun(run, version))
+        """The usage row and the settled hold, in one statement (`MeteringRepository.bill`)."""
+        bill = await self._repo.bill(record)
+        if bill.run is None:  # a run without a row: the call is billed, nothing to report
+            return None
+        if bill.billed:
+            self._remember(run_id, bill.run)
+        run = bill.run.budget
         if run.budget is not None and run.spent > run.budget:
             log.warning("run_overspent", run_id=run_id, budget=run.budget, spent=run.spent)
         log.info(
