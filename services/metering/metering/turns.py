@@ -36,6 +36,7 @@ from domain.metering import (
     reserve,
     worst_case_micros,
 )
+from metering.beats import beating
 from metering.cancels import Cancellations, RunningTurn
 from metering.catalog import Catalog
 from metering.providers.base import (
@@ -222,7 +223,12 @@ class TurnRunner:
         self._runs: dict[str, StoredRun] = {}
 
     async def run(self, cmd: LlmTurn) -> TurnReply:
-        """Answer `cmd.llm.turn` / `cmd.llm.stream` (an `LlmStream` streams its deltas)."""
+        """Answer `cmd.llm.turn` / `cmd.llm.stream` (an `LlmStream` streams its deltas, and
+        beats on its alive subject until the reply)."""
+        async with beating(self._nc, cmd):
+            return await self._run(cmd)
+
+    async def _run(self, cmd: LlmTurn) -> TurnReply:
         started = self._clock()
         binding = self._catalog.resolve(cmd.agent_slug, cmd.project_id, cmd.session_id)
         provider = self._provider_of(binding.provider)
