@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,9 +23,19 @@ from datetime import UTC, datetime
 from uuid import UUID
 
 from nats.aio.client import Client
+from pydantic import TypeAdapter
 
 from contracts.common import ErrorCode
-from contracts.metering import LlmStream, LlmTurn, ReplyBlock, TextBlock, TurnDelta, TurnReply
+from contracts.metering import (
+    ChatMessage,
+    LlmStream,
+    LlmTurn,
+    ReplyBlock,
+    TextBlock,
+    ToolSpec,
+    TurnDelta,
+    TurnReply,
+)
 from domain.errors import DomainError
 from domain.metering import (
     RunBudget,
@@ -101,15 +110,16 @@ def observe(record: UsageRecord, started: float, first_token_at: float | None) -
         LLM_ERRORS.labels(model, agent, record.error_code).inc()
 
 
+# The conversation and the tools, as compact JSON, by pydantic's own serializer: on
+# every turn's start, and the conversation grows with the session (issue 12: a tenth of
+# the time of dumping to dicts and `json.dumps`).
+PROMPT_BODY = TypeAdapter(tuple[list[ChatMessage], list[ToolSpec]])
+
+
 def prompt_bytes(cmd: LlmTurn) -> int:
     """The size of what the model reads: system prompt, conversation and tool schemas."""
-    body = json.dumps(
-        [
-            [m.model_dump(mode="json") for m in cmd.messages],
-            [t.model_dump(mode="json") for t in cmd.tools],
-        ]
-    )
-    return len(cmd.system.encode()) + len(body.encode())
+    body = PROMPT_BODY.dump_json((cmd.messages, cmd.tools))
+    return len(cmd.system.encode()) + len(body)
 
 
 def _reserved(run: RunBudget, cmd: LlmTurn, hold: int) -> RunBudget:
