@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import asyncpg
+import pytest
 import pytest_asyncio
 
 from contracts.metering import TokenUsage
@@ -30,7 +31,7 @@ async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
         await pool.close()
 
 
-@pytest_asyncio.fixture
+@pytest.fixture
 def repo(pool: asyncpg.Pool) -> MeteringRepository:
     return MeteringRepository(pool)
 
@@ -72,6 +73,7 @@ async def state(pool: asyncpg.Pool, run_id: str) -> tuple[int, int, int, list[st
     run = await pool.fetchrow(
         "SELECT spent_micros, reserved_micros FROM run_budgets WHERE run_id = $1", run_id
     )
+    assert run is not None
     rows = await pool.fetchval("SELECT count(*) FROM token_usage WHERE run_id = $1", run_id)
     holds = await pool.fetch(
         "SELECT status FROM budget_holds WHERE run_id = $1 ORDER BY turn_id", run_id
