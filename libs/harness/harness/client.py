@@ -1,15 +1,18 @@
 """The harness's only way to a model: metering's commands, over NATS.
 
 A streaming turn has a liveness signal: metering beats on a subject the client names
-(`LlmStream.alive_subject`) from the command's arrival to its reply. A metering replica
-SIGKILLed mid-turn stops beating and never replies, and the request alone would wait
-out its whole timeout (minutes). Given `silence_seconds`, the client asks for a beat
-every quarter of it and listens while it waits: that long with no beat and no reply
-means the replica is gone — before the first delta as well as after — and the call
-raises `StreamSilent`, which the `ToolLoop` retries at once under the turn's next retry
-id (`<turn_id>.r1`…). A model that thinks long before writing keeps its replica beating,
-so it is waited for. The client never reads the turn's deltas: a beat is noted on
-arrival, unparsed, a few per turn, not one per token. The lost id stays claimed in
+(`LlmStream.alive_subject`) from the moment a replica takes the turn to its reply. A
+metering replica SIGKILLed mid-turn stops beating and never replies, and the request
+alone would wait out its whole timeout (minutes). Given `silence_seconds`, the client
+asks for a beat every quarter of it and listens while it waits: once a replica has
+beaten, that long with no beat and no reply means it is gone — before the first delta
+as well as after — and the call raises `StreamSilent`, which the `ToolLoop` retries at
+once under the turn's next retry id (`<turn_id>.r1`…). A model that thinks long before
+writing keeps its replica beating, so it is waited for. Before the first beat there is
+nothing to go by: a replica saturated with turns (its endpoint's concurrency) holds the
+request unread, and giving it up then would run the turn twice; that wait stays bounded
+by the request timeout only. The client never reads the turn's deltas: a beat is noted
+on arrival, unparsed, a few per turn, not one per token. The lost id stays claimed in
 metering until its sweeper settles the hold, so the client remembers it: a re-run of
 the same input skips it rather than wait on "turn in progress".
 """
@@ -76,7 +79,8 @@ class MeteringClient:
 
     async def stream(self, cmd: LlmStream) -> TurnReply:
         """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`; a turn
-        whose metering replica stays silent for `silence_seconds` raises `StreamSilent`."""
+        whose metering replica beat, then stayed silent for `silence_seconds`, raises
+        `StreamSilent`."""
         if self._silence is None:
             return await call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
         if cmd.turn_id in self._lost:
@@ -85,7 +89,7 @@ class MeteringClient:
         alive = subjects.alive_subject(uuid4().hex)
         # Copied, not validated again: two trusted values added to a checked command.
         cmd = cmd.model_copy(update={"alive_subject": alive, "alive_every_seconds": every})
-        last_heard = time.monotonic()
+        last_heard: float | None = None
 
         async def heard(_: Msg) -> None:
             nonlocal last_heard
@@ -102,7 +106,7 @@ class MeteringClient:
                 done, _ = await asyncio.wait({waiting}, timeout=every)
                 if done:
                     return waiting.result()
-                if time.monotonic() - last_heard > self._silence:
+                if last_heard is not None and time.monotonic() - last_heard > self._silence:
                     self._lost[cmd.turn_id] = None
                     while len(self._lost) > LOST_REMEMBERED:
                         del self._lost[next(iter(self._lost))]

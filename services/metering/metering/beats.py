@@ -1,6 +1,7 @@
 """The beat of a streaming turn: a caller waiting on `cmd.llm.stream` hears that a replica
-is still handling its turn (`LlmStream.alive_subject`), from the command's arrival to the
-reply — before the first delta too, while the provider thinks. A replica SIGKILLed
+is still handling its turn (`LlmStream.alive_subject`), from the moment the handler takes
+it (before the reservation) to the reply — before the first delta too, while the provider
+thinks. A replica SIGKILLed
 mid-turn stops beating, and the caller retries the turn without waiting out its
 request's timeout, and without reading the turn's deltas to find out (harness.client).
 """
