@@ -10,7 +10,8 @@ outboxes drained, no dead letter) and exits non-zero with the evidence when one 
 A person gives up after `--patience` seconds, so a hang fails with the script's
 evidence instead of a timeout that hides it. (The chaos round used to hang once in two
 runs: a metering replica SIGKILLed after taking a turn and before its first delta left
-Criativo waiting out the request's 600 s; `harness.client` now gives such a turn up.)"""
+Criativo waiting out the request's 600 s; metering's beat now tells it the replica is
+gone, `harness.client`.)"""
 
 from __future__ import annotations
 

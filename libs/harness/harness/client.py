@@ -1,35 +1,49 @@
 """The harness's only way to a model: metering's commands, over NATS.
 
-A metering replica SIGKILLed mid-turn never replies. The request alone would wait out
-its whole timeout (minutes) while a person, or a held closing, waits with it; so a turn
-that cannot be alive any more is given up as lost (`TurnLost`), and the `ToolLoop`
-tries it again at once under the turn's next retry id (`<turn_id>.r1`…):
-- a streaming turn has a liveness signal, its own deltas on `delta_subject`. Given
-  `silence_seconds`, the client follows them while it waits: that long without a delta
-  and without the reply after the stream began means the replica is gone
-  (`StreamSilent`). Before the first delta the same holds after `start_seconds` from
-  the request (a replica killed between taking the turn and its first delta: issue 13's
-  chaos run hung there for the request's 600 s). A model may think before it writes,
-  so `start_seconds` is the longer bound; a live turn given up that way still ends in
-  metering and is billed, and only the retry's answer is used.
-- a whole-reply turn has no signal but its reply: no reply within `timeout` means lost.
-The lost id stays claimed in metering until its sweeper settles the hold, so the client
-remembers it: a re-run of the same input skips it rather than wait on "turn in progress".
+A streaming turn has a liveness signal: metering beats on a subject the client names
+(`LlmStream.alive_subject`) from the moment a replica takes the turn to its reply. A
+metering replica SIGKILLed mid-turn stops beating and never replies, and the request
+alone would wait out its whole timeout (minutes). Given `silence_seconds`, the client
+asks for a beat every quarter of it and listens while it waits: once a replica has
+beaten, that long with no beat and no reply means it is gone — before the first delta
+as well as after — and the call raises `StreamSilent`, which the `ToolLoop` retries at
+once under the turn's next retry id (`<turn_id>.r1`…). A model that thinks long before
+writing keeps its replica beating, so it is waited for. Before the first beat there is
+nothing to go by: a replica saturated with turns (its endpoint's concurrency) holds the
+request unread, and giving it up then would run the turn twice; that wait stays bounded
+by the request timeout only. The client never reads the turn's deltas: a beat is noted
+on arrival, unparsed, a few per turn, not one per token. The lost id stays claimed in
+metering until its sweeper settles the hold, so the client remembers it: a re-run of
+the same input skips it rather than wait on "turn in progress".
+
+A whole-reply turn has no beat: no reply within `timeout` is its only sign that the
+replica is gone, and the call raises `TurnLost` (which `StreamSilent` is too), retried
+the same way; a caller that knows how long its replies take (the psychologist) gives a
+timeout shorter than the 600 s default (issue 13: a closing held that long by a turn
+whose metering replica was SIGKILLed left its session unanalysed at the chaos run's
+end). A stream's request that times out is lost the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from contracts.metering import CancelReply, CancelTurn, LlmStream, LlmTurn, TurnReply
+from contracts.metering import (
+    MAX_ALIVE_EVERY_SECONDS,
+    MIN_ALIVE_EVERY_SECONDS,
+    CancelReply,
+    CancelTurn,
+    LlmStream,
+    LlmTurn,
+    TurnReply,
+)
 from servicekit.client import CommandFailed, call
 
 # A model turn can take minutes (long outputs, provider retries); metering bills it
@@ -41,8 +55,8 @@ LOST_REMEMBERED = 10_000
 
 
 class TurnLost(CommandFailed):
-    """No reply, and no sign of life, for longer than a live turn stays silent: the
-    metering replica running it is gone (its id stays claimed there)."""
+    """No reply and no sign of life: the metering replica running the turn is gone (its
+    id stays claimed there)."""
 
     def __init__(self, turn_id: str, why: str, code: str = TURN_LOST) -> None:
         super().__init__(code, f"turn {turn_id}: {why}")
@@ -50,13 +64,11 @@ class TurnLost(CommandFailed):
 
 
 class StreamSilent(TurnLost):
-    """A stream silent too long, before or after its first delta."""
+    """A started stream went silent: the metering replica running it is gone."""
 
-    def __init__(self, turn_id: str, seconds: float, started: bool = True) -> None:
-        since = "after the stream began" if started else "since the request (no delta at all)"
-        super().__init__(
-            turn_id, f"no delta and no reply for {seconds:.0f} s {since}", STREAM_SILENT
-        )
+    def __init__(self, turn_id: str, seconds: float) -> None:
+        why = f"no beat and no reply from metering for {seconds:.0f} s"
+        super().__init__(turn_id, why, STREAM_SILENT)
 
 
 class MeteringClient:
@@ -67,14 +79,10 @@ class MeteringClient:
         nc: Client,
         timeout: float = TURN_TIMEOUT_SECONDS,
         silence_seconds: float | None = None,
-        start_seconds: float | None = None,
     ) -> None:
-        """`start_seconds` (default: twice `silence_seconds`) bounds the wait for a stream's
-        first delta; `timeout` bounds any turn's wait for its reply."""
         self._nc = nc
         self._timeout = timeout
         self._silence = silence_seconds
-        self._start = start_seconds if start_seconds is not None else 2 * (silence_seconds or 0)
         # Turn ids seen going silent: still claimed by the dead replica in metering, so a
         # re-run (the same input retried after an outage) goes to the next retry id at
         # once instead of waiting on "in progress". Insertion-ordered, the oldest dropped.
@@ -82,52 +90,54 @@ class MeteringClient:
 
     async def turn(self, cmd: LlmTurn) -> TurnReply:
         """One whole-reply turn (`cmd.llm.turn`); no reply within `timeout`: `TurnLost`."""
-        self._skip_lost(cmd.turn_id)
+        if cmd.turn_id in self._lost:
+            raise TurnLost(cmd.turn_id, "given up earlier (its metering replica died)")
         try:
             return await call(self._nc, subjects.LLM_TURN, cmd, TurnReply, timeout=self._timeout)
         except TimeoutError:  # nats-py's request timeout is one
-            raise self._lose(TurnLost(cmd.turn_id, f"no reply in {self._timeout:.0f} s")) from None
+            raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
 
     async def stream(self, cmd: LlmStream) -> TurnReply:
-        """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`; a
-        stream silent for `start_seconds` before its first delta, or `silence_seconds`
-        after one, raises `StreamSilent`."""
+        """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`; a turn
+        whose metering replica beat, then stayed silent for `silence_seconds`, raises
+        `StreamSilent`."""
         if self._silence is None:
             return await call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
-        self._skip_lost(cmd.turn_id)
-        request = call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
-        asked = time.monotonic()
-        last_delta: float | None = None
+        if cmd.turn_id in self._lost:
+            raise StreamSilent(cmd.turn_id, self._silence)
+        every = min(max(self._silence / 4, MIN_ALIVE_EVERY_SECONDS), MAX_ALIVE_EVERY_SECONDS)
+        alive = subjects.alive_subject(uuid4().hex)
+        # Copied, not validated again: two trusted values added to a checked command.
+        cmd = cmd.model_copy(update={"alive_subject": alive, "alive_every_seconds": every})
+        last_heard: float | None = None
 
-        async def heard(msg: Msg) -> None:
-            nonlocal last_delta
-            with contextlib.suppress(ValueError, TypeError):
-                if json.loads(msg.data).get("turn_id") == cmd.turn_id:
-                    last_delta = time.monotonic()
+        async def heard(_: Msg) -> None:
+            nonlocal last_heard
+            last_heard = time.monotonic()
 
-        sub = await self._nc.subscribe(cmd.delta_subject, cb=heard)
-        waiting = asyncio.ensure_future(request)
+        # Subscribed before the request goes out on the same connection: the server has
+        # the subscription before metering can beat.
+        sub = await self._nc.subscribe(alive, cb=heard)
+        waiting = asyncio.ensure_future(
+            call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
+        )
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=self._silence / 4)
+                done, _ = await asyncio.wait({waiting}, timeout=every)
                 if done:
                     return waiting.result()
-                now = time.monotonic()
-                if last_delta is None and now - asked > self._start:
-                    raise self._lose(StreamSilent(cmd.turn_id, self._start, started=False))
-                if last_delta is not None and now - last_delta > self._silence:
+                if last_heard is not None and time.monotonic() - last_heard > self._silence:
                     raise self._lose(StreamSilent(cmd.turn_id, self._silence))
-        except TimeoutError:  # nats-py's request timeout is one
-            raise self._lose(TurnLost(cmd.turn_id, f"no reply in {self._timeout:.0f} s")) from None
+        except TimeoutError:  # the request's own timeout, never beaten for
+            raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
         finally:
             waiting.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    def _skip_lost(self, turn_id: str) -> None:
-        """A turn id given up earlier is still claimed in metering: go to the next one."""
-        if turn_id in self._lost:
-            raise TurnLost(turn_id, "given up earlier (its metering replica died)")
+    @property
+    def _no_reply(self) -> str:
+        return f"no reply from metering in {self._timeout:.0f} s"
 
     def _lose(self, lost: TurnLost) -> TurnLost:
         """Remember the lost turn's id (the oldest forgotten first) and return `lost`."""

@@ -20,8 +20,8 @@ for it) is waited for when the loop is given `in_progress_wait_seconds`: its rep
 once stored, is ours to replay; past the wait it is tried again under the next retry
 id (its metering replica died mid-call). Without a wait, it is an error the caller
 may retry later. A turn lost with its metering replica (`harness.client.TurnLost`: a
-stream gone silent, or no reply in the client's timeout) is tried again under the next
-retry id at once.
+stream whose replica went silent, before or after its first delta, or a whole-reply turn
+with no reply in the client's timeout) is tried again under the next retry id at once.
 
 A streaming turn the person stopped (`cmd.llm.cancel`; metering's `stop_reason`
 "cancelled") ends the loop at once: its tool calls never run, and the answer is the
@@ -154,6 +154,8 @@ class ToolLoop:
             raise ValueError("max_iterations must be at least 1")
         self._client = client
         self._tools = {t.name: t for t in tools}
+        # The same on every iteration: built (validated) once per loop, not per turn.
+        self._specs = [t.spec() for t in self._tools.values()]
         self._max_iterations = max_iterations
         self._max_tokens = max_tokens
         self._pre = list(pre_tool_hooks or [])
@@ -204,7 +206,7 @@ class ToolLoop:
             "session_id": ctx.session_id,
             "system": ctx.system,
             "messages": list(messages),
-            "tools": [t.spec() for t in self._tools.values()],
+            "tools": list(self._specs),
             "max_tokens": self._max_tokens,
             "budget_micros": ctx.budget_micros,
         }
