@@ -361,7 +361,14 @@ class Person:
                 )
             )
 
-        await self.act({"type": f"{verdict}_handoff", "handoff_id": handoff_id}, decided)
+        try:
+            await self.act({"type": f"{verdict}_handoff", "handoff_id": handoff_id}, decided)
+        except Refused as exc:
+            # Sent again after a lost socket, before the decision reached the log (the
+            # handoff's row commits before its event is appended): decided already. The
+            # wait below proves it was this person's decision.
+            if exc.code != "invalid_transition":
+                raise
         await self.wait_event(lambda e: decided() is not None)
         if verdict == "accept" and not self.close_at_once:
             # PO's activation reaches the log through handoff's outbox; a closing that
