@@ -32,13 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import asyncpg
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 
 from contracts import subjects
 from contracts.common import ErrorBody, ErrorCode
@@ -298,38 +298,101 @@ class Sender(Protocol):
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]: ...
 
 
-async def in_key_order(
-    rows: Sequence[OutboxRow], deliver: Callable[[OutboxRow], Awaitable[Delivery]]
-) -> list[Delivery]:
-    """Deliver each key's rows one after another and different keys in parallel.
-
-    A row that failed (and may succeed later) holds its key's later rows back, so the
-    receiver sees a key's rows in the order they were written; a stalled receiver costs
-    one timeout per batch, not one per row.
-    """
-    results: list[Delivery] = [HELD_BACK] * len(rows)
+def key_chains(rows: Sequence[OutboxRow]) -> list[list[int]]:
+    """The indexes of `rows` by ordering key, each key's in the order written; a row
+    without a key is a chain of its own."""
     chains: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
         chains.setdefault(row.ordering_key or f"#row{i}", []).append(i)
+    return list(chains.values())
 
-    async def deliver_chain(indexes: list[int]) -> None:
-        for i in indexes:
-            results[i] = await deliver(rows[i])
-            if results[i].error is not None and not results[i].permanent:
-                return  # the rest stay HELD_BACK, retried after this one
 
-    await asyncio.gather(*(deliver_chain(chain) for chain in chains.values()))
+async def one_after_another(
+    chain: Sequence[OutboxRow], deliver: Callable[[OutboxRow], Awaitable[Delivery]]
+) -> list[Delivery]:
+    """Deliver a key's rows one after another; a row that failed (and may succeed later)
+    holds the rest back, so the receiver sees them in the order they were written."""
+    results: list[Delivery] = [HELD_BACK] * len(chain)
+    for i, row in enumerate(chain):
+        results[i] = await deliver(row)
+        if results[i].error is not None and not results[i].permanent:
+            break  # the rest stay HELD_BACK, retried after this one
     return results
 
 
-class JetStreamPublisher:
-    """Publishes rows to JetStream with `Nats-Msg-Id`, in key order (`in_key_order`)."""
+async def in_key_order(
+    rows: Sequence[OutboxRow],
+    deliver_chain: Callable[[list[OutboxRow]], Awaitable[list[Delivery]]],
+) -> list[Delivery]:
+    """Deliver each key's rows with `deliver_chain` (which keeps their order and holds
+    back what follows a failure) and different keys in parallel; a stalled receiver
+    costs one timeout per batch, not one per row."""
+    results: list[Delivery] = [HELD_BACK] * len(rows)
 
-    def __init__(self, js: JetStreamContext) -> None:
-        self._js = js
+    async def deliver(indexes: list[int]) -> None:
+        delivered = await deliver_chain([rows[i] for i in indexes])
+        for i, delivery in zip(indexes, delivered, strict=True):
+            results[i] = delivery
+
+    await asyncio.gather(*(deliver(chain) for chain in key_chains(rows)))
+    return results
+
+
+# JetStream's atomic batch (ADR-50, nats-server >= 2.12): the messages of a batch are
+# stored all, in the order sent, or none. Its limits: 1,000 messages a batch, 50 batches
+# in flight per stream (across every publisher: replicas share it).
+BATCH_ID = "Nats-Batch-Id"
+BATCH_SEQUENCE = "Nats-Batch-Sequence"
+BATCH_COMMIT = "Nats-Batch-Commit"
+MAX_ATOMIC_BATCH = 1000
+MAX_BATCHES_IN_FLIGHT = 16
+# Refusals of a whole batch that say "publish these one by one" rather than "retry":
+# a message of it is already stored (an earlier attempt's; the batch is refused whole,
+# where a lone publish is deduplicated by its Nats-Msg-Id), or the stream does not
+# take atomic batches.
+BATCH_HAS_DUPLICATE = 10201
+ATOMIC_PUBLISH_DISABLED = 10174
+_ONE_BY_ONE = frozenset({BATCH_HAS_DUPLICATE, ATOMIC_PUBLISH_DISABLED})
+
+
+class JetStreamPublisher:
+    """Publishes rows to JetStream with `Nats-Msg-Id`, each key's rows in order.
+
+    A key's rows go as one atomic batch rather than one acknowledged publish after
+    another (which let one busy session's publishing fall seconds behind its appends,
+    bench/append.py). Why a batch and not N publishes awaited together: on one
+    connection those reach the stream in order, but if row k fails (a reconnect that
+    loses it, a leader election, a refusal of k alone) while k+1 is stored, k's retry
+    lands after k+1, and consumers would see the session out of order. The subjects of
+    a session differ by event type, so no `Nats-Expected-Last-Subject-Sequence` can
+    chain them either. A batch is stored whole or not at all: a failed one is retried
+    whole, and the key's order holds. When a batch cannot be used (a row of it was
+    already stored by an attempt whose ack was lost, or the stream refuses batches),
+    the key's rows go one acknowledged publish at a time, deduplicated one by one.
+    """
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._in_flight = asyncio.Semaphore(MAX_BATCHES_IN_FLIGHT)
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
-        return await in_key_order(rows, self._publish)
+        return await in_key_order(rows, self._publish_chain)
+
+    async def _publish_chain(self, chain: list[OutboxRow]) -> list[Delivery]:
+        results: list[Delivery] = []
+        for start in range(0, len(chain), MAX_ATOMIC_BATCH):
+            piece = chain[start : start + MAX_ATOMIC_BATCH]
+            if len(piece) == 1:
+                delivered = [await self._publish(piece[0])]
+            else:
+                async with self._in_flight:
+                    batched = await self._publish_batch(piece)
+                delivered = batched or await one_after_another(piece, self._publish)
+            results += delivered
+            if any(d.error is not None for d in delivered):
+                break  # the rest wait behind the failure
+        return results + [HELD_BACK] * (len(chain) - len(results))
 
     async def _publish(self, row: OutboxRow) -> Delivery:
         carried = {**row.headers, "Nats-Msg-Id": row.msg_id}
@@ -343,6 +406,37 @@ class JetStreamPublisher:
                 return Delivery(repr(exc) or type(exc).__name__)
         return DELIVERED
 
+    async def _publish_batch(self, rows: list[OutboxRow]) -> list[Delivery] | None:
+        """Publish `rows` as one atomic batch: a Delivery each, or None when they must go
+        one by one instead (`_ONE_BY_ONE`)."""
+        batch_id = uuid.uuid4().hex
+        with contextlib.ExitStack() as spans:  # each row's publish continues its own trace
+            sent = [
+                spans.enter_context(
+                    publish_span(r.subject, {**r.headers, "Nats-Msg-Id": r.msg_id}, r.msg_id)
+                )
+                for r in rows
+            ]
+            for n, headers in enumerate(sent, 1):
+                headers |= {BATCH_ID: batch_id, BATCH_SEQUENCE: str(n)}
+            sent[-1][BATCH_COMMIT] = "1"
+            last = rows[-1]
+            try:
+                for row, headers in zip(rows[:-1], sent, strict=False):
+                    await self._nc.publish(row.subject, row.body, headers=headers)
+                # The commit's reply is the batch's ack: all stored, or none.
+                reply = await self._nc.request(
+                    last.subject, last.body, timeout=SEND_TIMEOUT_SECONDS, headers=sent[-1]
+                )
+            except Exception as exc:  # no stream, timeout, connection lost: retry later
+                return [Delivery(repr(exc) or type(exc).__name__)] * len(rows)
+        ack = json.loads(reply.data)
+        if "error" not in ack:
+            return [DELIVERED] * len(rows)
+        if ack["error"].get("err_code") in _ONE_BY_ONE:
+            return None
+        return [Delivery(f"batch refused: {ack['error']}")] * len(rows)
+
 
 class LogAppender:
     """Sends rows as commands (`cmd.events.append`, or another command the row names)
@@ -353,7 +447,10 @@ class LogAppender:
         self._nc = nc
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
-        return await in_key_order(rows, self._append)
+        return await in_key_order(rows, self._append_chain)
+
+    async def _append_chain(self, chain: list[OutboxRow]) -> list[Delivery]:
+        return await one_after_another(chain, self._append)
 
     async def _append(self, row: OutboxRow) -> Delivery:
         try:

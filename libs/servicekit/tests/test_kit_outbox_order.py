@@ -70,7 +70,7 @@ async def test_a_key_waits_behind_its_older_row_that_waits_for_a_retry(
     await pool.execute("UPDATE outbox SET attempts = 1, available_at = now() + interval '1 hour'")
     await enqueue_committed(pool, (f"{prefix}.a", "k-2", "K"), (f"{prefix}.a", "l-1", "L"))
 
-    assert await OutboxRelay(pool, JetStreamPublisher(js)).drain_once() == 1
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 1
 
     assert await published_ids(nc, stream) == ["l-1"]
     assert await waiting(pool) == [("k-1", 1), ("k-2", 0)]
@@ -105,7 +105,7 @@ async def test_a_key_another_relay_is_delivering_is_left_to_it(
     assert await asyncio.wait_for(slow.claimed, 10) == ["k-1"]
 
     # k-2 is not row-locked, but delivering it now could overtake k-1
-    other = OutboxRelay(await make_pool(), JetStreamPublisher(js))
+    other = OutboxRelay(await make_pool(), JetStreamPublisher(nc))
     assert await other.drain_once() == 1
     assert await published_ids(nc, stream) == ["l-1"]
 
@@ -132,10 +132,85 @@ async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
         await Outbox(conn).send(f"{prefix}.a", "k-1", b"x" * 2048, ordering_key="K")
         await Outbox(conn).send(f"{prefix}.a", "k-2", b"{}", ordering_key="K")
 
-    await OutboxRelay(pool, JetStreamPublisher(js)).drain_once()
+    await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once()
 
     assert await published_ids(nc, stream) == []
     assert [msg_id for msg_id, _ in await waiting(pool)] == ["k-1", "k-2"]
+
+
+async def enqueue_session(pool: asyncpg.Pool, prefix: str, key: str, count: int) -> list[str]:
+    """Commit `count` rows of one key, on subjects that vary as a session's event types do;
+    return their msg ids in the order written."""
+    ids = [f"{key}-{n:03d}" for n in range(count)]
+    await enqueue_committed(
+        pool, *((f"{prefix}.{key}.t{n % 3}", i, key) for n, i in enumerate(ids))
+    )
+    return ids
+
+
+async def test_a_keys_rows_land_in_order_as_one_atomic_batch(
+    pool: asyncpg.Pool, nc: Client, stream: tuple[str, str]
+) -> None:
+    # One busy session: its rows go in one round trip, not one acknowledged publish each.
+    _, prefix = stream
+    ids = {key: await enqueue_session(pool, prefix, key, 120) for key in ("K", "L")}
+
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 240
+
+    published = await stream_messages(nc, stream[0], f"{prefix}.>")
+    for key, written in ids.items():
+        mine = [m for m in published if m.subject.startswith(f"{prefix}.{key}.")]
+        assert [m.headers["Nats-Msg-Id"] for m in mine] == written
+        assert len({m.headers[outbox.BATCH_ID] for m in mine}) == 1
+    assert await waiting(pool) == []
+
+
+async def test_a_batch_that_fails_holds_the_whole_key_back_and_loses_nothing(
+    pool: asyncpg.Pool, nc: Client, make_stream: MakeStream
+) -> None:
+    # JetStream has no stream for the subjects (down, or not provisioned yet): the
+    # batch is refused whole, every row waits for its retry, then all land in order.
+    prefix = f"late{uuid.uuid4().hex[:8]}"
+    written = await enqueue_session(pool, prefix, "K", 5)
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
+
+    assert await relay.drain_once() == 5
+    assert await waiting(pool) == [(i, 1) for i in written]
+
+    stream = await make_stream(prefix)
+    await pool.execute("UPDATE outbox SET available_at = now()")  # their retry is due
+    assert await relay.drain_once() == 5
+    assert await published_ids(nc, stream) == written
+    assert await waiting(pool) == []
+
+
+async def test_rows_an_earlier_attempt_stored_are_published_one_by_one_without_duplicates(
+    pool: asyncpg.Pool, nc: Client, js: JetStreamContext, stream: tuple[str, str]
+) -> None:
+    # An earlier attempt stored the first two (its ack was lost, the rows stayed): the
+    # stream refuses a batch holding them, so the key goes one publish at a time, each
+    # deduplicated by its Nats-Msg-Id.
+    _, prefix = stream
+    written = await enqueue_session(pool, prefix, "K", 4)
+    for msg_id in written[:2]:
+        await js.publish(f"{prefix}.K.t0", b"{}", headers={"Nats-Msg-Id": msg_id})
+
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 4
+
+    assert await published_ids(nc, stream) == written
+    assert await waiting(pool) == []
+
+
+async def test_a_stream_without_atomic_batches_gets_a_keys_rows_one_by_one_in_order(
+    pool: asyncpg.Pool, nc: Client, make_stream: MakeStream
+) -> None:
+    stream = await make_stream(allow_atomic=False)
+    written = await enqueue_session(pool, stream[1], "K", 6)
+
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 6
+
+    assert await published_ids(nc, stream) == written
+    assert await waiting(pool) == []
 
 
 @dataclass
@@ -344,7 +419,7 @@ async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_b
             # whatever lock the relay takes for the key) ...
             assert len(await holder.fetch(outbox.CLAIM, 10)) == 1
             # ... and svc_b's relay still claims and delivers its own row of S at once.
-            assert await OutboxRelay(pools["svc_b"], JetStreamPublisher(js)).drain_once() == 1
+            assert await OutboxRelay(pools["svc_b"], JetStreamPublisher(nc)).drain_once() == 1
         assert await published_ids(nc, stream) == ["svc_b-1"]
     finally:
         for p in pools.values():
@@ -391,7 +466,7 @@ async def test_many_rows_go_in_one_statement_in_the_order_given(
     stored = await pool.fetch("SELECT msg_id, headers FROM outbox ORDER BY id")
     assert [r["msg_id"] for r in stored] == [r.msg_id for r in rows]
     assert [r["headers"] for r in stored] == [dict(r.headers or {}) for r in rows]
-    assert await OutboxRelay(pool, JetStreamPublisher(js)).drain_once() == len(rows)
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == len(rows)
     published = await stream_messages(nc, stream[0], f"{prefix}.>")
     for key in ("S1", "S2"):
         ids = [m.headers["Nats-Msg-Id"] for m in published if m.subject.endswith(key)]
@@ -405,7 +480,7 @@ async def test_deliver_now_delivers_one_keys_rows_in_order_and_leaves_the_rest(
     await enqueue_committed(
         pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.a", "l-1", "L"), (f"{prefix}.a", "k-2", "K")
     )
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     assert await relay.deliver_now("K", timeout=10)
     assert await published_ids(nc, stream) == ["k-1", "k-2"]
     assert await waiting(pool) == [("l-1", 0)]
@@ -425,7 +500,7 @@ async def test_deliver_now_waits_for_another_relay_delivering_the_key(
     assert await asyncio.wait_for(slow.claimed, 10) == ["k-1"]
 
     now = asyncio.create_task(
-        OutboxRelay(await make_pool(), JetStreamPublisher(js)).deliver_now("K", 30)
+        OutboxRelay(await make_pool(), JetStreamPublisher(nc)).deliver_now("K", 30)
     )
     # It cannot claim k-1 (held): it answers True only once the other relay deleted it.
     slow.release.set()
@@ -439,6 +514,6 @@ async def test_deliver_now_gives_up_after_its_timeout_and_leaves_the_row_to_the_
 ) -> None:
     prefix = f"none{uuid.uuid4().hex[:8]}"  # no stream captures it: every publish fails
     await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
-    assert not await OutboxRelay(pool, JetStreamPublisher(js)).deliver_now("K", timeout=1)
+    assert not await OutboxRelay(pool, JetStreamPublisher(nc)).deliver_now("K", timeout=1)
     [(msg_id, attempts)] = await waiting(pool)
     assert msg_id == "k-1" and attempts >= 1
