@@ -39,10 +39,11 @@ from typing import Any, Protocol
 
 import asyncpg
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
 
 from contracts import subjects
 from contracts.common import ErrorBody, ErrorCode
-from contracts.session_events import AppendEvent
+from contracts.session_events import APPEND_MANY_MAX, AppendEvent
 from domain import log_rules
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
@@ -65,6 +66,11 @@ TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.val
 MAX_INTERNAL_ATTEMPTS = 8
 # The consumer label of the outbox's dead letters (servicekit.metrics.DEAD_LETTERS).
 OUTBOX_CONSUMER = "outbox"
+# A `cmd.events.append_many` request's events, in bytes: under the log's request limit
+# (servicekit.endpoint.MAX_REQUEST_BYTES) and the server's max_payload, with room to
+# spare for the envelope and the headers.
+MAX_APPEND_MANY_BYTES = 1024 * 1024 - 16 * 1024
+APPEND_MANY_SLACK_BYTES = 16 * 1024
 
 
 def notify_channel(schema: str) -> str:
@@ -292,6 +298,10 @@ DELIVERED = Delivery()
 HELD_BACK = Delivery("waiting for an earlier row of the same key")
 
 
+# Delivers rows (a key's, or many keys'), a Delivery each, in the order given.
+DeliverRows = Callable[[Sequence[OutboxRow]], Awaitable[list[Delivery]]]
+
+
 class Sender(Protocol):
     """Delivers claimed rows, in order, and says what became of each."""
 
@@ -322,7 +332,7 @@ async def one_after_another(
 
 async def in_key_order(
     rows: Sequence[OutboxRow],
-    deliver_chain: Callable[[list[OutboxRow]], Awaitable[list[Delivery]]],
+    deliver_chain: DeliverRows,
 ) -> list[Delivery]:
     """Deliver each key's rows with `deliver_chain` (which keeps their order and holds
     back what follows a failure) and different keys in parallel; a stalled receiver
@@ -379,7 +389,7 @@ class JetStreamPublisher:
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
         return await in_key_order(rows, self._publish_chain)
 
-    async def _publish_chain(self, chain: list[OutboxRow]) -> list[Delivery]:
+    async def _publish_chain(self, chain: Sequence[OutboxRow]) -> list[Delivery]:
         results: list[Delivery] = []
         for start in range(0, len(chain), MAX_ATOMIC_BATCH):
             piece = chain[start : start + MAX_ATOMIC_BATCH]
@@ -406,7 +416,7 @@ class JetStreamPublisher:
                 return Delivery(repr(exc) or type(exc).__name__)
         return DELIVERED
 
-    async def _publish_batch(self, rows: list[OutboxRow]) -> list[Delivery] | None:
+    async def _publish_batch(self, rows: Sequence[OutboxRow]) -> list[Delivery] | None:
         """Publish `rows` as one atomic batch: a Delivery each, or None when they must go
         one by one instead (`_ONE_BY_ONE`)."""
         batch_id = uuid.uuid4().hex
@@ -439,20 +449,101 @@ class JetStreamPublisher:
 
 
 class LogAppender:
-    """Sends rows as commands (`cmd.events.append`, or another command the row names)
-    and reads the reply, in key order (`in_key_order`): the log receives a session's
-    events in the order they were written, sessions in parallel."""
+    """Sends rows as the commands they name and reads the replies: each key's rows in the
+    order written, keys in parallel.
+
+    Events for the log (`cmd.events.append` rows) go many to a request,
+    `cmd.events.append_many`: a claim costs one round trip and one group commit of the
+    log instead of one of each per row. The log writes them in the order sent, answers
+    each on its own (a refused row is dead-lettered with its code, the rest go in), and
+    holds a session's later events back behind one it failed to write, so a key's order
+    holds as with one request per row. Requests go one after another, and a key that
+    failed in one sends nothing more in the next. The request continues the trace of its
+    first row. A key that also holds other commands (Criativo's offers) sends one request
+    per row, in order; so do all when no log serves `append_many` (an older one).
+    """
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
-        return await in_key_order(rows, self._append_chain)
+        results: list[Delivery] = [HELD_BACK] * len(rows)
+        together: list[int] = []
+        one_by_one: list[list[int]] = []
+        for chain in key_chains(rows):
+            if all(rows[i].subject == subjects.EVENTS_APPEND for i in chain):
+                together += chain
+            else:
+                one_by_one.append(chain)
 
-    async def _append_chain(self, chain: list[OutboxRow]) -> list[Delivery]:
-        return await one_after_another(chain, self._append)
+        async def deliver(
+            indexes: list[int], how: Callable[..., Awaitable[list[Delivery]]]
+        ) -> None:
+            for i, delivery in zip(indexes, await how([rows[i] for i in indexes]), strict=True):
+                results[i] = delivery
 
-    async def _append(self, row: OutboxRow) -> Delivery:
+        together.sort()  # the order written, which keeps each key's
+        await asyncio.gather(
+            deliver(together, self._append_many),
+            *(deliver(chain, self._one_after_another) for chain in one_by_one),
+        )
+        return results
+
+    async def _one_after_another(self, chain: Sequence[OutboxRow]) -> list[Delivery]:
+        return await one_after_another(chain, self._request)
+
+    async def _append_many(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        results: list[Delivery] = [HELD_BACK] * len(rows)
+        failed: set[str] = set()  # keys whose later rows wait for a retry
+        for piece in self._pieces(rows):
+            sent = [i for i in piece if _key(rows[i]) not in failed]
+            if not sent:
+                continue
+            delivered = await self._append_piece([rows[i] for i in sent])
+            for i, delivery in zip(sent, delivered, strict=True):
+                results[i] = delivery
+                if delivery.error is not None and not delivery.permanent:
+                    failed.add(_key(rows[i]))
+        return results
+
+    def _pieces(self, rows: Sequence[OutboxRow]) -> list[list[int]]:
+        """`rows` in order, cut into requests the log takes: at most `APPEND_MANY_MAX`
+        events and `MAX_APPEND_MANY_BYTES` (a larger row goes alone, and is answered
+        `payload_too_large` as its own request would be)."""
+        limit = min(MAX_APPEND_MANY_BYTES, self._nc.max_payload - APPEND_MANY_SLACK_BYTES)
+        pieces: list[list[int]] = []
+        size = 0
+        for i, row in enumerate(rows):
+            if not pieces or len(pieces[-1]) >= APPEND_MANY_MAX or size + len(row.body) > limit:
+                pieces.append([])
+                size = 0
+            pieces[-1].append(i)
+            size += len(row.body) + 1
+        return pieces
+
+    async def _append_piece(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        body = b'{"events":[' + b",".join(r.body for r in rows) + b"]}"
+        try:
+            with request_span(subjects.EVENTS_APPEND_MANY, rows[0].headers) as headers:
+                reply = await self._nc.request(
+                    subjects.EVENTS_APPEND_MANY,
+                    body,
+                    timeout=SEND_TIMEOUT_SECONDS,
+                    headers=headers,
+                )
+        except NoRespondersError:  # no log serves it (an older one): a request per row
+            return await in_key_order(rows, self._one_after_another)
+        except Exception as exc:
+            return [Delivery(repr(exc) or type(exc).__name__)] * len(rows)
+        answer = json.loads(reply.data)
+        if "error" in answer:  # the whole request refused: each row hears it
+            return [_answered(row, answer["error"]) for row in rows]
+        return [
+            DELIVERED if outcome.get("error") is None else _answered(row, outcome["error"])
+            for row, outcome in zip(rows, answer["results"], strict=True)
+        ]
+
+    async def _request(self, row: OutboxRow) -> Delivery:
         try:
             with request_span(row.subject, row.headers) as headers:
                 reply = await self._nc.request(
@@ -462,16 +553,22 @@ class LogAppender:
             return Delivery(repr(exc) or type(exc).__name__)
         if not reply.data.startswith(b'{"error":'):
             return DELIVERED
-        error = json.loads(reply.data)["error"]
-        code = error["code"]
-        gave_up = code == ErrorCode.INTERNAL and row.attempts + 1 >= MAX_INTERNAL_ATTEMPTS
-        return Delivery(
-            f"{code}: {error['message']}",
-            permanent=code not in TRANSIENT_CODES or gave_up,
-            refusal=ErrorBody(
-                code=code, message=error["message"], details=error.get("details") or {}
-            ),
-        )
+        return _answered(row, json.loads(reply.data)["error"])
+
+
+def _key(row: OutboxRow) -> str:
+    return row.ordering_key or f"#{row.id}"
+
+
+def _answered(row: OutboxRow, error: dict[str, Any]) -> Delivery:
+    """What the receiver's coded error means for `row`: retry, or never (dead letter)."""
+    code = error["code"]
+    gave_up = code == ErrorCode.INTERNAL and row.attempts + 1 >= MAX_INTERNAL_ATTEMPTS
+    return Delivery(
+        f"{code}: {error['message']}",
+        permanent=code not in TRANSIENT_CODES or gave_up,
+        refusal=ErrorBody(code=code, message=error["message"], details=error.get("details") or {}),
+    )
 
 
 def retry_delay(attempts: int) -> float:
