@@ -458,7 +458,9 @@ class LogAppender:
     each on its own (a refused row is dead-lettered with its code, the rest go in), and
     holds a session's later events back behind one it failed to write, so a key's order
     holds as with one request per row. Requests go one after another, and a key that
-    failed in one sends nothing more in the next. The request continues the trace of its
+    failed in one sends nothing more in the next. (The log cannot know that a row it
+    answered `internal` is given up here, `MAX_INTERNAL_ATTEMPTS`: the rows it held back
+    behind it go at their retry.) The request continues the trace of its
     first row. A key that also holds other commands (Criativo's offers) sends one request
     per row, in order; so do all when no log serves `append_many` (an older one).
     """

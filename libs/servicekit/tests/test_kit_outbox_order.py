@@ -215,29 +215,49 @@ async def test_a_stream_without_atomic_batches_gets_a_keys_rows_one_by_one_in_or
 
 @dataclass
 class FakeLog:
-    """Answers `cmd.events.append` as session_events would, refusing what it is told to."""
+    """Answers `cmd.events.append` and `cmd.events.append_many` as session_events would,
+    refusing what it is told to (and, in a request of many, holding a session's later
+    events back behind one refused `unavailable`, as the log does)."""
 
     appended: list[str] = field(default_factory=list)
     refuse: dict[str, str] = field(default_factory=dict)  # idempotency key -> error code
+    requests: list[str] = field(default_factory=list)  # the subject of each request
+
+    def outcome(self, data: dict[str, Any], failed: set[str]) -> dict[str, Any]:
+        event = AppendEvent.model_validate(data)
+        assert event.idempotency_key is not None
+        code = self.refuse.get(event.idempotency_key)
+        if str(event.session_id) in failed:
+            code = "unavailable"
+        if code is not None:
+            if code in ("unavailable", "internal"):
+                failed.add(str(event.session_id))
+            return {"error": {"code": code, "message": f"refused {event.idempotency_key}"}}
+        self.appended.append(event.idempotency_key)
+        return AppendedReply(event_id=uuid.uuid4(), seq=len(self.appended)).model_dump(mode="json")
 
     async def answer(self, msg: Msg) -> None:
-        event = AppendEvent.model_validate_json(msg.data)
-        assert event.idempotency_key is not None
-        if event.idempotency_key in self.refuse:
-            code = self.refuse[event.idempotency_key]
-            await msg.respond(error_reply(code, f"refused {event.idempotency_key}"))
+        self.requests.append(msg.subject)
+        if msg.subject == subjects.EVENTS_APPEND_MANY:
+            failed: set[str] = set()
+            events = json.loads(msg.data)["events"]
+            results = [self.outcome(e, failed) for e in events]
+            await msg.respond(json.dumps({"results": results}).encode())
             return
-        self.appended.append(event.idempotency_key)
-        reply = AppendedReply(event_id=uuid.uuid4(), seq=len(self.appended))
-        await msg.respond(reply.model_dump_json().encode())
+        outcome = self.outcome(json.loads(msg.data), set())
+        await msg.respond(json.dumps(outcome).encode())
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def fake_log(nc: Client) -> AsyncIterator[FakeLog]:
     log = FakeLog()
-    sub = await nc.subscribe(subjects.EVENTS_APPEND, cb=log.answer)
+    subs = [
+        await nc.subscribe(subjects.EVENTS_APPEND, cb=log.answer),
+        await nc.subscribe(subjects.EVENTS_APPEND_MANY, cb=log.answer),
+    ]
     yield log
-    await sub.unsubscribe()
+    for sub in subs:
+        await sub.unsubscribe()
 
 
 async def enqueue_appends(pool: asyncpg.Pool, *events: tuple[uuid.UUID, str]) -> None:
@@ -265,7 +285,53 @@ async def test_the_log_appender_appends_a_sessions_events_in_order(
     assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 5
 
     assert fake_log.appended == keys
+    assert fake_log.requests == [subjects.EVENTS_APPEND_MANY]  # one request for all
     assert await waiting(pool) == []
+
+
+async def test_the_log_appender_cuts_a_claim_into_requests_the_log_takes(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    # 300 events of one session: more than one request holds (APPEND_MANY_MAX).
+    session = uuid.uuid4()
+    keys = [f"e-{n:03d}" for n in range(300)]
+    await enqueue_appends(pool, *((session, k) for k in keys))
+
+    assert await OutboxRelay(pool, LogAppender(nc), batch=300).drain_once() == 300
+
+    assert fake_log.appended == keys
+    assert fake_log.requests == [subjects.EVENTS_APPEND_MANY] * 2
+    assert await waiting(pool) == []
+
+
+async def test_a_session_held_back_in_one_request_sends_nothing_in_the_next(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    held, other = uuid.uuid4(), uuid.uuid4()
+    fake_log.refuse["h-000"] = "unavailable"
+    keys = [f"h-{n:03d}" for n in range(300)]
+    await enqueue_appends(pool, *((held, k) for k in keys), (other, "o-1"))
+
+    assert await OutboxRelay(pool, LogAppender(nc), batch=301).drain_once() == 301
+
+    assert fake_log.appended == ["o-1"]
+    assert len(fake_log.requests) == 2  # the second carries only the other session's
+    assert [key for key, _ in await waiting(pool)] == keys
+
+
+async def test_the_log_appender_sends_one_request_per_row_to_a_log_without_append_many(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    log = FakeLog()
+    sub = await nc.subscribe(subjects.EVENTS_APPEND, cb=log.answer)  # an older log
+    try:
+        session = uuid.uuid4()
+        await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
+        assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 2
+    finally:
+        await sub.unsubscribe()
+    assert log.appended == ["e-1", "e-2"]
+    assert log.requests == [subjects.EVENTS_APPEND] * 2
 
 
 async def test_a_transient_refusal_holds_back_its_session_only(
@@ -336,6 +402,11 @@ async def test_an_internal_error_is_retried_a_bounded_number_of_times_then_dead_
         " ELSE attempts END",
         outbox.MAX_INTERNAL_ATTEMPTS - 1,
     )
+    await relay.drain_once()
+    # The log held e-2 back behind e-1 in that request (it cannot know e-1 was given up):
+    # e-2 goes at its retry.
+    assert fake_log.appended == []
+    await pool.execute("UPDATE outbox SET available_at = now()")
     await relay.drain_once()
 
     assert fake_log.appended == ["e-2"]
