@@ -538,8 +538,12 @@ class LogAppender:
         except Exception as exc:
             return [Delivery(repr(exc) or type(exc).__name__)] * len(rows)
         answer = json.loads(reply.data)
-        if "error" in answer:  # the whole request refused: each row hears it
-            return [_answered(row, answer["error"]) for row in rows]
+        if "error" in answer:
+            if answer["error"]["code"] in TRANSIENT_CODES:
+                return [_answered(row, answer["error"]) for row in rows]
+            # Refused whole (a row that is not even JSON): one request per row finds
+            # the one to dead-letter, and the others go in.
+            return await in_key_order(rows, self._one_after_another)
         return [
             DELIVERED if outcome.get("error") is None else _answered(row, outcome["error"])
             for row, outcome in zip(rows, answer["results"], strict=True)

@@ -238,6 +238,11 @@ class FakeLog:
 
     async def answer(self, msg: Msg) -> None:
         self.requests.append(msg.subject)
+        try:
+            json.loads(msg.data)
+        except ValueError:
+            await msg.respond(error_reply(ErrorCode.MALFORMED_JSON, "request is not JSON"))
+            return
         if msg.subject == subjects.EVENTS_APPEND_MANY:
             failed: set[str] = set()
             events = json.loads(msg.data)["events"]
@@ -317,6 +322,25 @@ async def test_a_session_held_back_in_one_request_sends_nothing_in_the_next(
     assert fake_log.appended == ["o-1"]
     assert len(fake_log.requests) == 2  # the second carries only the other session's
     assert [key for key, _ in await waiting(pool)] == keys
+
+
+async def test_a_row_that_gets_the_whole_request_refused_is_found_and_dead_lettered_alone(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    # A row that is not even JSON makes the request of many malformed: the relay then
+    # sends one request per row, so only that row is refused, and its session goes on.
+    session = uuid.uuid4()
+    await enqueue_appends(pool, (session, "e-1"))
+    async with pool.acquire() as conn, conn.transaction():
+        await Outbox(conn).send(subjects.EVENTS_APPEND, "poison", b"{no", ordering_key=str(session))
+    await enqueue_appends(pool, (session, "e-2"))
+
+    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 3
+
+    assert fake_log.appended == ["e-1", "e-2"]
+    assert await waiting(pool) == []
+    [dead] = await pool.fetch("SELECT msg_id, reason FROM dead_letters")
+    assert dead["msg_id"] == "poison" and dead["reason"].startswith("malformed_json")
 
 
 async def test_the_log_appender_sends_one_request_per_row_to_a_log_without_append_many(
