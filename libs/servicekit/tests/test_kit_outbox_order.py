@@ -171,15 +171,15 @@ async def test_a_batch_that_fails_holds_the_whole_key_back_and_loses_nothing(
     # JetStream has no stream for the subjects (down, or not provisioned yet): the
     # batch is refused whole, every row waits for its retry, then all land in order.
     prefix = f"late{uuid.uuid4().hex[:8]}"
-    written = await enqueue_session(pool, prefix, "K", 5)
+    written = await enqueue_session(pool, prefix, "K", outbox.ATOMIC_BATCH_MIN)
     relay = OutboxRelay(pool, JetStreamPublisher(nc))
 
-    assert await relay.drain_once() == 5
+    assert await relay.drain_once() == len(written)
     assert await waiting(pool) == [(i, 1) for i in written]
 
     stream = await make_stream(prefix)
     await pool.execute("UPDATE outbox SET available_at = now()")  # their retry is due
-    assert await relay.drain_once() == 5
+    assert await relay.drain_once() == len(written)
     assert await published_ids(nc, stream) == written
     assert await waiting(pool) == []
 
@@ -191,11 +191,11 @@ async def test_rows_an_earlier_attempt_stored_are_published_one_by_one_without_d
     # stream refuses a batch holding them, so the key goes one publish at a time, each
     # deduplicated by its Nats-Msg-Id.
     _, prefix = stream
-    written = await enqueue_session(pool, prefix, "K", 4)
+    written = await enqueue_session(pool, prefix, "K", outbox.ATOMIC_BATCH_MIN)
     for msg_id in written[:2]:
         await js.publish(f"{prefix}.K.t0", b"{}", headers={"Nats-Msg-Id": msg_id})
 
-    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 4
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == len(written)
 
     assert await published_ids(nc, stream) == written
     assert await waiting(pool) == []
@@ -205,9 +205,9 @@ async def test_a_stream_without_atomic_batches_gets_a_keys_rows_one_by_one_in_or
     pool: asyncpg.Pool, nc: Client, make_stream: MakeStream
 ) -> None:
     stream = await make_stream(allow_atomic=False)
-    written = await enqueue_session(pool, stream[1], "K", 6)
+    written = await enqueue_session(pool, stream[1], "K", outbox.ATOMIC_BATCH_MIN)
 
-    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 6
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == len(written)
 
     assert await published_ids(nc, stream) == written
     assert await waiting(pool) == []
