@@ -172,9 +172,10 @@ class GroupCommit:
         payload: dict[str, Any],
         causation_id: UUID | None,
         idempotency_key: str | None,
+        trace: Mapping[str, str] | None = None,
     ) -> Pending:
-        """A `Pending` carrying the current request's trace context."""
-        trace = inject_headers()
+        """A `Pending` carrying `trace`, or else the current request's trace context."""
+        trace = inject_headers() if trace is None else trace
         return Pending(session_id, event_type, actor, payload, causation_id, idempotency_key, trace)
 
     async def _write_while_waiting(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,6 +40,7 @@ from domain import log_rules
 from domain.errors import DomainError
 from servicekit.endpoint import error_body, invalid_request
 from servicekit.service import Service
+from servicekit.telemetry import inject_headers
 from session_events.group_commit import GroupCommit, Pending
 from session_events.repository import LockedSession, LogRepository, LogTransaction
 
@@ -88,16 +90,17 @@ async def open_session(cmd: OpenSession, repo: LogRepository) -> SessionOpenedRe
     return SessionOpenedReply(session_id=session.id, event_id=event.id)
 
 
-def pending_append(cmd: AppendEvent) -> Pending:
+def pending_append(cmd: AppendEvent, trace: Mapping[str, str] | None = None) -> Pending:
     """The append, once its shape is valid (type, payload, size), ready for its batch
-    (group_commit), where the session's rules are applied and it is written."""
+    (group_commit), where the session's rules are applied and it is written; `trace`:
+    the request's trace context, when the caller already has it."""
     event_type = log_rules.parse_event_type(cmd.type)
     parsed = log_rules.validate_payload(event_type, cmd.payload)
     # Measured as stored: UTF-8 bytes of the normalised payload.
     log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
     payload = parsed.model_dump(mode="json")
     return GroupCommit.pending(
-        cmd.session_id, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key
+        cmd.session_id, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key, trace
     )
 
 
@@ -111,9 +114,10 @@ async def append_many(cmd: AppendMany, appender: GroupCommit) -> AppendManyReply
     """`append` for each event, in order and in shared batches; each is checked and
     answered on its own (an outbox relay sends its claim so, one request for many)."""
     checked: list[Pending | ErrorBody] = []
+    trace = inject_headers()  # one request: one trace for all its events
     for item in cmd.events:
         try:
-            checked.append(pending_append(_append_event(item)))
+            checked.append(pending_append(_append_event(item), trace))
         except DomainError as refused:
             checked.append(error_body(refused, subjects.EVENTS_APPEND_MANY))
     written = iter(await appender.append_chain([p for p in checked if isinstance(p, Pending)]))
