@@ -280,32 +280,22 @@ async def enqueue_appends(pool: asyncpg.Pool, *events: tuple[uuid.UUID, str]) ->
             )
 
 
-async def test_the_log_appender_appends_a_sessions_events_in_order(
-    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+@pytest.mark.parametrize(
+    ("events", "requests"),
+    [(5, 1), (300, 2)],  # 300: more than one request holds (APPEND_MANY_MAX)
+    ids=["one-request", "cut-in-two"],
+)
+async def test_the_log_appender_appends_a_sessions_events_in_order_in_few_requests(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog, events: int, requests: int
 ) -> None:
     session = uuid.uuid4()
-    keys = [f"e-{n}" for n in range(5)]
+    keys = [f"e-{n:03d}" for n in range(events)]
     await enqueue_appends(pool, *((session, k) for k in keys))
 
-    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 5
+    assert await OutboxRelay(pool, LogAppender(nc), batch=events).drain_once() == events
 
     assert fake_log.appended == keys
-    assert fake_log.requests == [subjects.EVENTS_APPEND_MANY]  # one request for all
-    assert await waiting(pool) == []
-
-
-async def test_the_log_appender_cuts_a_claim_into_requests_the_log_takes(
-    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
-) -> None:
-    # 300 events of one session: more than one request holds (APPEND_MANY_MAX).
-    session = uuid.uuid4()
-    keys = [f"e-{n:03d}" for n in range(300)]
-    await enqueue_appends(pool, *((session, k) for k in keys))
-
-    assert await OutboxRelay(pool, LogAppender(nc), batch=300).drain_once() == 300
-
-    assert fake_log.appended == keys
-    assert fake_log.requests == [subjects.EVENTS_APPEND_MANY] * 2
+    assert fake_log.requests == [subjects.EVENTS_APPEND_MANY] * requests
     assert await waiting(pool) == []
 
 
