@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from uuid import UUID
 
 from pydantic import Field, StringConstraints
@@ -68,14 +68,15 @@ class AppendedReply(Message):
 
 class AppendMany(Message):
     """`cmd.events.append_many`: append each event as `cmd.events.append` would, in the
-    order given, with one answer each. Each item is an `AppendEvent`, checked on its own:
-    one that is malformed or refused gets its own coded error and the others go in. An
+    order given, with one answer each: an event the log refuses (its type, payload,
+    session, author…) gets its own coded error and the others go in. A malformed request
+    (any event not an `AppendEvent`) is refused whole, as any command's; an outbox relay
+    then sends its rows one per request, so only the bad one is dead-lettered. An
     event that fails to be written (an error a retry may cure) holds back the later
     events of its session in the request, answered `unavailable`: a session's events are
     written in the order given or not at all."""
 
-    # Plain objects here, so that one bad event is refused alone, not the request.
-    events: list[dict[str, Any]] = Field(min_length=1, max_length=APPEND_MANY_MAX)
+    events: list[AppendEvent] = Field(min_length=1, max_length=APPEND_MANY_MAX)
 
 
 class AppendOutcome(Message):

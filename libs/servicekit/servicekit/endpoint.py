@@ -127,8 +127,7 @@ def error_body(exc: Exception, subject: str) -> ErrorBody:
     return ErrorBody(code=ErrorCode.INTERNAL.value, message=f"internal error: {type(exc).__name__}")
 
 
-def invalid_request(exc: ValidationError) -> DomainError:
-    """The `invalid_request` (or `malformed_json`) refusal of a request pydantic rejected."""
+def _invalid_request(exc: ValidationError) -> DomainError:
     errors = exc.errors(include_url=False, include_input=False)
     if any(e["type"] == "json_invalid" for e in errors):
         return DomainError(
@@ -268,7 +267,7 @@ class Endpoints:
             try:
                 parsed = command.request.model_validate_json(data)
             except ValidationError as exc:
-                raise invalid_request(exc) from None
+                raise _invalid_request(exc) from None
             reply = await command.handler(parsed)
             return Answer(reply.model_dump_json().encode())
         except Exception as exc:

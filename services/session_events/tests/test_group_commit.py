@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -274,22 +275,29 @@ async def test_append_many_answers_each_event_on_its_own_in_order(
     def event(session: uuid.UUID, **fields: Any) -> dict[str, Any]:
         return {"session_id": str(session), "type": CHAT.value, "actor": "user:ana"} | fields
 
-    request = AppendMany(
-        events=[
-            event(sid, payload={"text": "one"}, idempotency_key="k-1"),
-            event(sid, payload={"text": "no actor"}) | {"actor": None},  # malformed
-            event(sid, type="no.such_type", payload={}),  # refused by the rules
-            event(closed, payload={"text": "too late"}),  # refused: conversation is over
-            event(sid, payload={"text": "one"}, idempotency_key="k-1"),  # a repeat
-            event(sid, payload={"text": "two"}),
-        ]
+    # Malformed (no actor): the request is refused whole, as any command's, and nothing
+    # of it is written.
+    malformed = [event(sid, payload={"text": "zero"}), event(sid, payload={}) | {"actor": None}]
+    body = json.dumps({"events": malformed}).encode()
+    refused = await nc.request(subjects.EVENTS_APPEND_MANY, body, timeout=5)
+    assert json.loads(refused.data)["error"]["code"] == "invalid_request"
+
+    request = AppendMany.model_validate(
+        {
+            "events": [
+                event(sid, payload={"text": "one"}, idempotency_key="k-1"),
+                event(sid, type="no.such_type", payload={}),  # refused by the rules
+                event(closed, payload={"text": "too late"}),  # refused: conversation is over
+                event(sid, payload={"text": "one"}, idempotency_key="k-1"),  # a repeat
+                event(sid, payload={"text": "two"}),
+            ]
+        }
     )
     reply = await call(nc, subjects.EVENTS_APPEND_MANY, request, AppendManyReply)
 
     answers = [(r.seq, r.duplicate, r.error.code if r.error else None) for r in reply.results]
     assert answers == [
         (2, False, None),
-        (None, False, "invalid_request"),
         (None, False, "unknown_event_type"),
         (None, False, "session_closed"),
         (2, True, None),
