@@ -81,13 +81,15 @@ def delta_frame(delta: TurnDelta) -> bytes:
 
 def done_frame(done: AgentDone) -> bytes:
     """The prepared `DoneFrame` that tells clients a turn ended."""
-    return model_frame(DoneFrame(
-        message_id=done.causation_id,
-        agent=done.agent,
-        turn_ids=done.turn_ids,
-        response_id=done.response_id,
-        error_code=done.error_code,
-    ))
+    return model_frame(
+        DoneFrame(
+            message_id=done.causation_id,
+            agent=done.agent,
+            turn_ids=done.turn_ids,
+            response_id=done.response_id,
+            error_code=done.error_code,
+        )
+    )
 
 
 def event_frame(event: Event) -> bytes:

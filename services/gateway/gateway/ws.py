@@ -67,9 +67,7 @@ class Hub:
 class Connection:
     """A client's connection: at most one joined session at a time."""
 
-    def __init__(
-        self, hub: Hub, ws: WebSocket, principal: Principal, writer: FrameWriter
-    ) -> None:
+    def __init__(self, hub: Hub, ws: WebSocket, principal: Principal, writer: FrameWriter) -> None:
         self._hub = hub
         self._ws = ws
         self._principal = principal

@@ -12,8 +12,8 @@ from starlette.websockets import WebSocket
 
 from gateway.auth import Principal
 from gateway.settings import GatewaySettings
-from gateway.ws import CLOSE_TOO_SLOW, Connection, Hub
 from gateway.wire import text_frame
+from gateway.ws import CLOSE_TOO_SLOW, Connection, Hub
 from servicekit.metrics import value
 
 CLOSES = "agentbus_gateway_ws_slow_client_closes_total"
