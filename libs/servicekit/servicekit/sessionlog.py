@@ -35,6 +35,7 @@ from contracts.session_events import (
     GetEvents,
     HeartbeatReply,
     ListEvents,
+    ListedSession,
     ListSessions,
     OpenSession,
     QueryEvents,
@@ -113,7 +114,7 @@ class SessionLogClient:
             OpenSession(project_id=project_id, opened_by=opened_by),
         )
 
-    async def sessions(self, project_id: str) -> list[SessionView]:
+    async def sessions(self, project_id: str) -> list[ListedSession]:
         """The project's sessions, newest first (as many as the log lists by default)."""
         reply = await self._call(catalog.SESSIONS_LIST, ListSessions(project_id=project_id))
         return reply.sessions

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page, Request, async_playwright
 
 from contracts import subjects
 from contracts.events import EventType
@@ -279,11 +279,22 @@ async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
         state="attached"
     )
 
-    # The session list: its title (the first message), its status, its last activity.
+    # The session list: its title (the first message), its status, its last activity,
+    # all from the list's one request, none per session.
+    api_calls: list[str] = []
+
+    def called(request: Request) -> None:
+        if "/api/" in request.url:
+            api_calls.append(request.url)
+
+    page.on("request", called)
     await page.goto(f"{gateway.url}/")
     item = page.locator(f'#sessions li[data-id="{session}"]')
     await item.wait_for()
     await page.locator("#sessions[data-loaded]").wait_for(state="attached")
+    project_api = f"{gateway.url}/api/projects/{gateway.project}"
+    page.remove_listener("request", called)
+    assert api_calls == [project_api, f"{project_api}/sessions"]
     assert await item.locator(".title").text_content() == first
     assert await item.locator(".status").text_content() == "closed"
     assert "last activity" in (await item.text_content() or "")
