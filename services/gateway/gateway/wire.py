@@ -72,7 +72,7 @@ class PreparedFramesProtocol(WebSocketsSansIOProtocol):
         super().handle_connect(event)
         if self.response.status_code == 101:
             # The app's task was created above but has not run yet: it sees the writer.
-            extensions: dict[str, Any] = self.scope["extensions"]  # type: ignore[assignment]
+            extensions: dict[str, Any] = self.scope["extensions"]
             extensions[EXTENSION] = {"writer": self}
 
     def resume_writing(self) -> None:
