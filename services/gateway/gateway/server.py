@@ -9,7 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
-from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
 from gateway.settings import GatewaySettings
 from gateway.wire import PreparedFramesProtocol
@@ -38,9 +38,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 @contextlib.asynccontextmanager
-async def serving_http(
-    rt: Runtime, app: Starlette, settings: GatewaySettings
-) -> AsyncIterator[str]:
+async def serving_http(rt: Runtime, app: ASGIApp, settings: GatewaySettings) -> AsyncIterator[str]:
     """uvicorn on the configured address for the life of the block; yields its base URL.
 
     It runs as one of the service's background tasks, so its crash stops the service;
