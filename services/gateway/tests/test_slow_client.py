@@ -1,20 +1,33 @@
 """A client that stops reading is disconnected, not buffered without bound, and the
-close is counted (`agentbus_gateway_ws_slow_client_closes_total`, issue 14). A client
-that reads gets each loop tick's frames in one write, in order."""
+close is counted (`agentbus_gateway_ws_slow_client_closes_total`, issue 14): at the
+connection's boundary, and through a real socket whose reader stopped. A client that
+reads gets each loop tick's frames in one write, in order."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, cast
 
+import pytest
+from nats.aio.client import Client
 from starlette.websockets import WebSocket
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
+from contracts import subjects
+from contracts.session_events import AppendedReply, AppendEvent
 from gateway.auth import Principal
 from gateway.settings import GatewaySettings
 from gateway.wire import text_frame
 from gateway.ws import CLOSE_TOO_SLOW, Connection, Hub
+from servicekit.client import call
 from servicekit.metrics import value
+
+from .conftest import Gateway
 
 CLOSES = "agentbus_gateway_ws_slow_client_closes_total"
 SENT = "agentbus_gateway_ws_frames_sent_total"
@@ -98,3 +111,39 @@ async def test_frames_of_one_tick_go_out_in_one_write_and_the_rest_once_drained(
     transport.on_writable()
     assert transport.writes[1:] == [event(3) + event(4)]
     assert socket.closed_with is None
+
+
+@pytest.fixture
+def gateway_overrides() -> dict[str, Any]:
+    return {"max_queued_frames": 10}
+
+
+async def test_a_reader_that_stopped_on_a_real_socket_is_closed_with_1013(
+    gateway: Gateway, nc: Client
+) -> None:
+    session = await gateway.open_session()
+    url = urllib.parse.urlsplit(gateway.url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: fills fast
+    sock.connect((url.hostname, url.port))
+    # max_queue=1: the client stops reading the socket once one message waits unread
+    ws = await connect(
+        f"ws://{url.netloc}/ws?token={gateway.token()}", sock=sock, max_queue=1, max_size=None
+    )
+    await ws.send(json.dumps({"type": "join", "session_id": str(session)}))
+    while json.loads(await ws.recv())["type"] != "ack":  # the log replayed, then the ack
+        pass
+    closes = value(CLOSES)
+    said = AppendEvent(
+        session_id=session, type="chat.message", actor="user:ana", payload={"text": "x" * 20_000}
+    )
+    for _ in range(200):  # ~4 MB of frames at most: the socket's buffers are far smaller
+        await call(nc, subjects.EVENTS_APPEND, said, AppendedReply)
+        if value(CLOSES) > closes:
+            break
+    assert value(CLOSES) == closes + 1
+    # Reading again, the client gets what the socket held, then the close.
+    with pytest.raises(ConnectionClosed):
+        while True:
+            await ws.recv()
+    assert ws.close_code == CLOSE_TOO_SLOW
