@@ -1,18 +1,26 @@
-"""Metering's budget reservation on the first-token path, alone: both ways, same run.
+"""Metering's two writes per call, alone, each beside its baseline in the same run.
 
-Every streaming turn holds its worst case on its run before the provider is called
-(DESIGN.md, budget races). Measured against metering's own tables (a fresh database,
-migrated as the service does), `RESERVING_RUNS` runs at once, each reserving
-`TURNS_PER_RUN` turns one after another as a session's turns come:
+Measured against metering's own tables (a fresh database, migrated as the service does),
+`RUNS` runs at once, each with `TURNS_PER_RUN` turns one after another as a session's
+turns come.
 
+The reservation, on the first-token path: every streaming turn holds its worst case on
+its run before the provider is called (DESIGN.md, budget races).
 - baseline: the locked read-decide-write transaction (BEGIN, lock the row, claim +
   save, COMMIT: four round trips), the way a replica that does not know the run's row
   reserves;
 - one statement: `hold_if_unchanged` on the row as this replica last wrote it (the run's
   previous turn), what metering does on its hot path since issue 12.
 
-Interleaved rounds, so both see the same machine; latency and CPU ms per reservation
-(this process and Postgres). Exits non-zero when the one statement is not cheaper.
+The bill, after the call (issue 12): the usage row, the settled hold and the run's spend.
+- baseline: a bare INSERT of the usage row alone (autocommit: one round trip), the floor
+  of writing anything;
+- one statement: `MeteringRepository.bill` (before issue 12: six round trips, BEGIN, lock
+  the run, insert, settle, save, COMMIT).
+
+Interleaved rounds, so both ways see the same machine; latency and CPU ms per operation
+(this process and Postgres). Exits non-zero when the reservation's one statement is not
+cheaper than the locked transaction, or the bill costs over 2.5 bare inserts.
 
     .venv/bin/python bench/budget_hold.py
 """
@@ -25,7 +33,11 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
 
+import asyncpg
 import uvloop
 
 # This folder holds bench/metering.py too: metering's own package must win the name.
@@ -41,72 +53,160 @@ from benchkit import (
     percentile,
     servers,
 )
+from contracts.metering import TextBlock, TokenUsage, TurnReply
 from domain.metering import RunBudget, reserve
-from metering.repository import MeteringRepository, StoredRun
+from metering.repository import MeteringRepository, StoredRun, UsageRecord
 from servicekit.db import create_pool, migrate
 
-# The reservation on the first-token path, alone: runs reserving their turns one after
-# another, this many runs at once, this many turns each.
-RESERVING_RUNS, TURNS_PER_RUN, HOLD = 50, 20, 1_000
+# Runs at once, turns of each one after another, and what each turn holds.
+RUNS, TURNS_PER_RUN, HOLD = 50, 20, 1_000
+# A bill may cost up to this many bare inserts of its row (it writes three rows).
+BILL_GOAL_RATIO = 2.5
+# Runs one way: its runs' ids, each with what `prepare` gave it (not measured); its times.
+Way = Callable[[str, Any, list[float]], Awaitable[None]]
+Prepare = Callable[[str], Awaitable[Any]]
 
 
-async def reservations(database_url: str) -> tuple[list[str], Goals]:
-    """A turn's budget reservation, both ways, against metering's tables (migrated by the
-    service): the locked read-decide-write transaction (4 round trips, the way a replica
-    that does not know the run's row reserves, and the baseline), and the one statement
-    of a replica that wrote the row last (`hold_if_unchanged`). Interleaved rounds, so
-    both see the same machine."""
-    pool = await create_pool(database_url, "metering", min_size=10, max_size=10)
-    repo = MeteringRepository(pool)
-    meters = {"locked": CpuMeter({"bench": [os.getpid()]}, pool)}
-    meters["one statement"] = CpuMeter({"bench": [os.getpid()]}, pool)
-    latencies: dict[str, list[float]] = {name: [] for name in meters}
-    cpu: dict[str, list[CpuUsage]] = {name: [] for name in meters}
+async def interleaved(
+    pool: asyncpg.Pool, title: str, ways: dict[str, Way], prepare: Prepare
+) -> tuple[list[str], dict[str, list[float]]]:
+    """Each way over `RUNS` runs at once, three interleaved rounds; the report lines and
+    the latencies (ms) by way, the first way being the baseline."""
+    latencies: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[CpuUsage]] = {name: [] for name in ways}
+    for _ in range(3):
+        for name, way in ways.items():
+            runs = [f"bench-{uuid.uuid4().hex}" for _ in range(RUNS)]
+            prepared = await asyncio.gather(*(prepare(r) for r in runs))
+            meter = CpuMeter({"bench": [os.getpid()]}, pool)
+            await meter.start()
+            started = time.perf_counter()
+            await asyncio.gather(
+                *(way(r, p, latencies[name]) for r, p in zip(runs, prepared, strict=True))
+            )
+            cpu[name].append(await meter.stop(RUNS * TURNS_PER_RUN, time.perf_counter() - started))
+    base, *_ = latencies.values()
+    lines = [f"{title}, {RUNS} runs at once, {TURNS_PER_RUN} turns each:"]
+    lines += [latency_row(n, t, None if t is base else base) for n, t in latencies.items()]
+    rows = [(name, RUNS, usage) for name in ways for usage in cpu[name]]
+    lines += cpu_table(["bench", "postgres"], rows, name_width=14)
+    return lines, latencies
 
-    async def locked(run_id: str, turns: int, times: list[float]) -> None:
-        for _ in range(turns):
+
+def timed(times: list[float], started: float) -> None:
+    times.append((time.perf_counter() - started) * 1000)
+
+
+async def reservations(
+    pool: asyncpg.Pool, repo: MeteringRepository
+) -> tuple[list[str], dict[str, list[float]]]:
+    """A turn's budget reservation, both ways: the locked read-decide-write transaction (4
+    round trips, the way a replica that does not know the run's row reserves, and the
+    baseline), and the one statement of a replica that wrote the row last."""
+
+    async def locked(run_id: str, prepared: None, times: list[float]) -> None:
+        for _ in range(TURNS_PER_RUN):
             started = time.perf_counter()
             async with repo.transaction() as tx:
                 run = reserve(await tx.lock_run(run_id), HOLD, run_id)
                 await tx.hold(run_id, uuid.uuid4().hex, HOLD, run)
-            times.append((time.perf_counter() - started) * 1000)
+            timed(times, started)
 
-    async def remembered(run_id: str, turns: int, times: list[float]) -> None:
+    async def remembered(run_id: str, prepared: None, times: list[float]) -> None:
         seen: StoredRun | None = None
-        for _ in range(turns):
+        for _ in range(TURNS_PER_RUN):
             started = time.perf_counter()
             run = reserve(seen.budget if seen else RunBudget(None, 0, 0), HOLD, run_id)
             version = await repo.hold_if_unchanged(run_id, uuid.uuid4().hex, HOLD, seen, run)
             assert version is not None, "only this bench writes these runs"
             seen = StoredRun(run, version)
-            times.append((time.perf_counter() - started) * 1000)
+            timed(times, started)
 
-    ways = {"locked": locked, "one statement": remembered}
+    async def nothing(run_id: str) -> None:
+        return None
+
+    ways: dict[str, Way] = {"locked": locked, "one statement": remembered}
+    return await interleaved(pool, "reservation", ways, nothing)
+
+
+def usage_row(turn_id: str, run_id: str) -> UsageRecord:
+    """A streamed call's row, as metering writes it (with its reply)."""
+    now = datetime.now(UTC)
+    reply = TurnReply(
+        turn_id=turn_id,
+        content=[TextBlock(text=" ".join(f"w{i}" for i in range(20)))],
+        stop_reason="end_turn",
+        model="claude-sonnet-4-6",
+        usage=TokenUsage(input_tokens=100, output_tokens=20),
+        cost_micros=600,
+        budget_remaining_micros=None,
+    )
+    return UsageRecord(turn_id, run_id, "stream", "scripted", "claude-sonnet-4-6", "bench",
+                       "bench", None, reply.usage, 600, "ok", None, None, now, now, now,
+                       reply)  # fmt: skip
+
+
+async def bills(
+    pool: asyncpg.Pool, repo: MeteringRepository
+) -> tuple[list[str], dict[str, list[float]]]:
+    """A call's bill: the bare insert of its usage row (the baseline), and `bill`."""
+
+    async def held(run_id: str) -> list[str]:  # the turns' holds, as reserved before the call
+        turns, seen = [uuid.uuid4().hex for _ in range(TURNS_PER_RUN)], None
+        for turn_id in turns:
+            run = reserve(seen.budget if seen else RunBudget(None, 0, 0), HOLD, run_id)
+            version = await repo.hold_if_unchanged(run_id, turn_id, HOLD, seen, run)
+            assert version is not None, "only this bench writes these runs"
+            seen = StoredRun(run, version)
+        return turns
+
+    async def bare(run_id: str, turns: list[str], times: list[float]) -> None:
+        for turn_id in turns:
+            row = usage_row(turn_id, run_id)
+            assert row.reply is not None
+            reply = row.reply.model_dump(mode="json")
+            started = time.perf_counter()
+            await pool.execute(
+                """INSERT INTO token_usage (turn_id, run_id, kind, provider, model, agent_slug,
+                       project_id, input_tokens, output_tokens, cache_write_5m_tokens,
+                       cache_write_1h_tokens, cache_read_tokens, cost_micros, status,
+                       started_at, finished_at, reply)
+                   VALUES ($1, $2, 'stream', 'scripted', $3, 'bench', 'bench', $4, $5, 0, 0, 0,
+                           $6, 'ok', $7, $7, $8)""",
+                turn_id, run_id, row.model, row.usage.input_tokens, row.usage.output_tokens,
+                row.cost_micros, row.started_at, reply,
+            )  # fmt: skip
+            timed(times, started)
+
+    async def billed(run_id: str, turns: list[str], times: list[float]) -> None:
+        for turn_id in turns:
+            row = usage_row(turn_id, run_id)
+            started = time.perf_counter()
+            assert (await repo.bill(row)).billed
+            timed(times, started)
+
+    ways: dict[str, Way] = {"bare insert": bare, "one statement": billed}
+    return await interleaved(pool, "bill", ways, held)
+
+
+async def measure(database_url: str) -> tuple[list[str], Goals]:
+    pool = await create_pool(database_url, "metering", min_size=10, max_size=10)
+    repo = MeteringRepository(pool)
+    goals = Goals()
     try:
-        for _ in range(3):
-            for name, way in ways.items():
-                await meters[name].start()
-                started = time.perf_counter()
-                runs = [f"bench-reserve-{uuid.uuid4().hex}" for _ in range(RESERVING_RUNS)]
-                await asyncio.gather(*(way(r, TURNS_PER_RUN, latencies[name]) for r in runs))
-                turns = RESERVING_RUNS * TURNS_PER_RUN
-                cpu[name].append(await meters[name].stop(turns, time.perf_counter() - started))
+        reserving, reserved = await reservations(pool, repo)
+        billing, billed = await bills(pool, repo)
     finally:
         await pool.close()
-    base = latencies["locked"]
-    lines = [f"reservation, {RESERVING_RUNS} runs at once, {TURNS_PER_RUN} turns each:"]
-    lines += [
-        latency_row(name, latencies[name], None if name == "locked" else base) for name in ways
-    ]
-    rows = [(name, RESERVING_RUNS, usage) for name in ways for usage in cpu[name]]
-    lines += cpu_table(["bench", "postgres"], rows, name_width=14)
-    goals = Goals()
-    goals.at_most(
-        "one statement's p50 ÷ the locked transaction's",
-        percentile(latencies["one statement"], 0.5) / percentile(base, 0.5),
-        1.0,
-    )
-    return lines, goals
+
+    def ratio(times: dict[str, list[float]], way: str, base: str) -> float:
+        return percentile(times[way], 0.5) / percentile(times[base], 0.5)
+
+    goals.at_most("reservation: one statement's p50 ÷ the locked transaction's",
+                  ratio(reserved, "one statement", "locked"), 1.0)  # fmt: skip
+    goals.at_most("bill: one statement's p50 ÷ a bare insert's",
+                  ratio(billed, "one statement", "bare insert"), BILL_GOAL_RATIO)  # fmt: skip
+    return [*reserving, *billing], goals
 
 
 async def run() -> int:
@@ -119,7 +219,7 @@ async def run() -> int:
             await migrate(pool, "metering", ["metering.migrations"])
         finally:
             await pool.close()
-        lines, goals = await reservations(database_url)
+        lines, goals = await measure(database_url)
         print("\n".join(lines))
         print("goals:")
         print("\n".join(goals.report()))

@@ -3,19 +3,18 @@ writing every request it is sent as one JSON line to `$AGENTBUS_TEST_PROMPTS_PAT
 
 That file is the record of what the model read, which the test checks prompt by
 prompt. metering itself is untouched: its `main` takes the provider to use (as its
-in-process test fixture does), and this module only wraps the scripted one.
+in-process test fixture does), and this module only gives it its script and the
+scripted provider that logs (`metering.providers.scripted.LoggingScripted`).
 Run with this folder on `PYTHONPATH`: `python -m conversation_model_metering`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from metering.app import MeteringSettings, main
-from metering.providers.base import OnText, Progress, ProviderReply, ProviderRequest
-from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
+from metering.providers.scripted import LoggingScripted, Script, ScriptStep
 from servicekit.runtime import run_service
 
 PROMPTS_ENV = "AGENTBUS_TEST_PROMPTS_PATH"
@@ -44,26 +43,6 @@ SCRIPT = Script(
 )
 
 
-class RecordingScripted(ScriptedProvider):
-    """The scripted provider, appending each request to a JSON-lines file first."""
-
-    def __init__(self, script: Script, path: Path) -> None:
-        super().__init__(script)
-        self._path = path
-
-    async def complete(
-        self, request: ProviderRequest, progress: Progress, on_text: OnText | None
-    ) -> ProviderReply:
-        line = {
-            "agent": request.agent_slug,
-            "tools": [t.name for t in request.tools],
-            "messages": [m.model_dump(mode="json") for m in request.messages],
-        }
-        with self._path.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-        return await super().complete(request, progress, on_text)
-
-
 if __name__ == "__main__":
-    provider = RecordingScripted(SCRIPT, Path(os.environ[PROMPTS_ENV]))
+    provider = LoggingScripted(SCRIPT, Path(os.environ[PROMPTS_ENV]), prompts=True)
     run_service("metering", main(MeteringSettings(provider="scripted"), provider))

@@ -57,7 +57,7 @@ SCHEMAS = SERVICES
 REPLY_SECONDS = 5.0
 CODED = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL.value}
 # Strings that satisfy the patterns of the contracts' identifier types, tried in order.
-PATTERN_SAMPLES = ["fuzz-1", "criativo", "user:fuzz", "_INBOX.fuzz"]
+PATTERN_SAMPLES = ["fuzz-1", "criativo", "user:fuzz", "_INBOX.fuzz", "metering.alive.fuzz"]
 
 
 # --- a plausible request, from the contract model alone -------------------------------

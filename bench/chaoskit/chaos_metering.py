@@ -2,22 +2,26 @@
 JSON line per provider call to `$AGENTBUS_CHAOS_CALLS_PATH` before it answers.
 
 That file is the fake model's own record of its calls, which the chaos run compares with
-metering's `token_usage` rows. metering itself is untouched: its `main` takes the provider
-(as `tests/conversation_model_metering.py` does). Run with this folder on `PYTHONPATH`
+metering's `token_usage` rows (`metering.providers.scripted.LoggingScripted` writes it).
+metering itself is untouched: its `main` takes the provider (as
+`tests/conversation_model_metering.py` does). Run with this folder on `PYTHONPATH`
 (only this folder: `bench/` holds scripts named like the services):
 `python -m chaos_metering`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from pathlib import Path
 
 from metering.app import MeteringSettings, main
-from metering.providers.base import OnText, Progress, ProviderReply, ProviderRequest
-from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
+from metering.providers.scripted import (
+    BRIEF_STEP,
+    PSYCHOLOGIST_STEPS,
+    LoggingScripted,
+    Script,
+    ScriptStep,
+)
 from servicekit.runtime import run_service
 
 CALLS_ENV = "AGENTBUS_CHAOS_CALLS_PATH"
@@ -28,14 +32,8 @@ CALLS_ENV = "AGENTBUS_CHAOS_CALLS_PATH"
 SCRIPT = Script(
     token_delay_ms=10,
     steps=[
-        ScriptStep(
-            has_tool="emit_hypotheses", after_tool_result=False, responder="psychologist_hypotheses"
-        ),
-        ScriptStep(
-            has_tool="emit_hypotheses", after_tool_error=True, responder="psychologist_hypotheses"
-        ),
-        ScriptStep(has_tool="emit_hypotheses", text="Analysis complete."),
-        ScriptStep(contains="product_brief", responder="criativo_brief"),
+        *PSYCHOLOGIST_STEPS,
+        BRIEF_STEP,
         ScriptStep(
             has_tool="emit_artifact",
             contains="RULE",
@@ -50,22 +48,6 @@ SCRIPT = Script(
 )
 
 
-class LoggedScripted(ScriptedProvider):
-    """The scripted provider, logging each call (agent, process, time) before answering."""
-
-    def __init__(self, script: Script, path: Path) -> None:
-        super().__init__(script)
-        self._path = path
-
-    async def complete(
-        self, request: ProviderRequest, progress: Progress, on_text: OnText | None
-    ) -> ProviderReply:
-        line = {"agent": request.agent_slug, "pid": os.getpid(), "at": time.time()}
-        with self._path.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(line) + "\n")
-        return await super().complete(request, progress, on_text)
-
-
 if __name__ == "__main__":
-    provider = LoggedScripted(SCRIPT, Path(os.environ[CALLS_ENV]))
+    provider = LoggingScripted(SCRIPT, Path(os.environ[CALLS_ENV]))
     run_service("metering", main(MeteringSettings(provider="scripted"), provider))

@@ -63,6 +63,12 @@ STREAMING: list[tuple[str, str, str, type[Message] | None]] = [
         "An agent's turn ended: its response event, or the error code of its agent.error.",
         AgentDone,
     ),
+    (
+        "metering.alive",
+        subjects.alive_subject("{key}"),
+        "An empty beat while metering handles the `cmd.llm.stream` that named this subject.",
+        None,
+    ),
 ]
 
 DESCRIPTION = (

@@ -237,9 +237,10 @@ ACCESS = [
     ),
     Access(
         "metering",
-        # Deltas go where the caller names, within the delta subjects only.
+        # Deltas and beats go where the caller names, within their subjects only.
         publishes=(
             subjects.delta_subject("*", "*"),
+            subjects.alive_subject("*"),
             subjects.BINDINGS_CHANGED,
             subjects.TURN_CANCELLED,
         ),
@@ -272,8 +273,8 @@ ACCESS = [
             subjects.LLM_STREAM,
         ),
         publishes=(subjects.done_subject("*", "*"),),
-        # Its turns' own deltas, as the liveness of a stream it waits on (harness.client).
-        subscribes=(subjects.delta_subject("*", "*"),),
+        # The beats of the streams it waits on: their liveness (harness.client).
+        subscribes=(subjects.alive_subject("*"),),
         durables=(CRIATIVO_INPUTS,),
         buckets=(CRIATIVO_LEASES,),
     ),

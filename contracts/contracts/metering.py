@@ -34,6 +34,14 @@ DeltaSubject = Annotated[
     TEXT_CHECK,
 ]
 
+# A streaming turn's beat goes to a subject of its own caller's choosing, within
+# `metering.alive.*` only (contracts.subjects.alive_subject).
+AliveSubject = Annotated[
+    str, StringConstraints(pattern=r"^metering\.alive\.[A-Za-z0-9_-]{1,64}$"), TEXT_CHECK
+]
+# How often a caller may ask to hear the beat: not so often that beats cost like tokens.
+MIN_ALIVE_EVERY_SECONDS, MAX_ALIVE_EVERY_SECONDS = 0.1, 60.0
+
 MAX_OUTPUT_TOKENS = 64_000
 UsageStatus = Literal["ok", "error", "cancelled"]
 BindingScope = Literal["session", "agent", "project", "workspace"]
@@ -116,6 +124,14 @@ class LlmStream(LlmTurn):
     # The event the turn answers (a person's message), stamped on every delta so a
     # client can place the streaming text before the response event exists.
     causation_id: UUID | None = None
+    # Given, the replica handling the turn publishes an empty message there as it takes
+    # the turn, then every `alive_every_seconds` until it replies: a caller that hears nothing for
+    # a few beats knows the replica is gone, before or after the first delta, without
+    # reading a single delta (harness.client).
+    alive_subject: AliveSubject | None = None
+    alive_every_seconds: float = Field(
+        default=5.0, ge=MIN_ALIVE_EVERY_SECONDS, le=MAX_ALIVE_EVERY_SECONDS
+    )
 
 
 class CancelTurn(Message):

@@ -28,6 +28,10 @@ MAX_EVENT_PAYLOAD_BYTES = 256 * 1024
 EVENTS_PAGE_MAX = 1000
 # The most events one `cmd.events.append_many` takes (an outbox relay's claim, at most).
 APPEND_MANY_MAX = 256
+# A listed session's title is its first `chat.message`, looked for among its first
+# events only (a bounded index read per session), and cut to this many characters.
+TITLE_SEARCH_EVENTS = 20
+TITLE_MAX_CHARS = 200
 
 EventTypeName = Annotated[str, StringConstraints(min_length=1, max_length=128), TEXT_CHECK]
 SessionStatus = Literal["open", "closed", "closed_abnormally"]
@@ -181,7 +185,18 @@ class SessionView(Message):
     event_count: int
 
 
+class ListedSession(SessionView):
+    """A session as `cmd.sessions.list` lists it: its state, what it is about and when it
+    last moved, so a list needs no request per session."""
+
+    # Its first message (among the first `TITLE_SEARCH_EVENTS` events), cut to
+    # `TITLE_MAX_CHARS`; None while nobody has said anything.
+    title: str | None
+    # When its latest event was appended.
+    last_event_at: datetime
+
+
 class SessionsReply(Message):
     """Sessions, newest first."""
 
-    sessions: list[SessionView]
+    sessions: list[ListedSession]

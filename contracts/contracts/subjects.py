@@ -33,6 +33,9 @@ BINDINGS_CHANGED = "metering.bindings_changed"
 # Core NATS, not a stream: a cancel received by one metering replica, told to all,
 # so the replica that runs the turn aborts its provider stream.
 TURN_CANCELLED = "metering.turn_cancelled"
+# Core NATS, not a stream: `metering.alive.<key>`, the beat of a streaming turn a replica
+# is handling (`LlmStream.alive_subject`). Three tokens: no session feed hears it.
+ALIVE_PREFIX = "metering.alive."
 
 # handoff
 HANDOFFS_OFFER = "cmd.handoffs.offer"
@@ -73,6 +76,12 @@ def delta_subject(project_id: str, session_id: UUID | str) -> str:
 def done_subject(project_id: str, session_id: UUID | str) -> str:
     """Where a streaming turn is closed."""
     return f"{DONE_PREFIX}{project_id}.{session_id}"
+
+
+def alive_subject(key: str) -> str:
+    """Where metering beats while it handles one caller's streaming turn (`key`: the
+    caller's, unique to the turn)."""
+    return f"{ALIVE_PREFIX}{key}"
 
 
 # Where exhausted or terminated deliveries are announced (see servicekit.consumer).

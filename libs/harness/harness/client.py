@@ -1,30 +1,42 @@
 """The harness's only way to a model: metering's commands, over NATS.
 
-A streaming turn has a liveness signal: its own deltas on `delta_subject`. A metering
-replica SIGKILLed mid-turn never replies, and the request alone would wait out its
-whole timeout (minutes). Given `silence_seconds`, the client follows the turn's deltas
-while it waits: once the stream has started, that long without a delta and without
-the reply means the replica is gone, and the call raises `StreamSilent`, which the
-`ToolLoop` retries at once under the turn's next retry id (`<turn_id>.r1`…). The lost id
-stays claimed in metering until its sweeper settles the hold, so the client remembers
-it: a re-run of the same input skips it rather than wait on "turn in progress".
-Before the first delta there is nothing to go by (a model may think long before it
-writes): that wait stays bounded by the request timeout only.
+A streaming turn has a liveness signal: metering beats on a subject the client names
+(`LlmStream.alive_subject`) from the moment a replica takes the turn to its reply. A
+metering replica SIGKILLed mid-turn stops beating and never replies, and the request
+alone would wait out its whole timeout (minutes). Given `silence_seconds`, the client
+asks for a beat every quarter of it and listens while it waits: once a replica has
+beaten, that long with no beat and no reply means it is gone — before the first delta
+as well as after — and the call raises `StreamSilent`, which the `ToolLoop` retries at
+once under the turn's next retry id (`<turn_id>.r1`…). A model that thinks long before
+writing keeps its replica beating, so it is waited for. Before the first beat there is
+nothing to go by: a replica saturated with turns (its endpoint's concurrency) holds the
+request unread, and giving it up then would run the turn twice; that wait stays bounded
+by the request timeout only. The client never reads the turn's deltas: a beat is noted
+on arrival, unparsed, a few per turn, not one per token. The lost id stays claimed in
+metering until its sweeper settles the hold, so the client remembers it: a re-run of
+the same input skips it rather than wait on "turn in progress".
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from contracts.metering import CancelReply, CancelTurn, LlmStream, LlmTurn, TurnReply
+from contracts.metering import (
+    MAX_ALIVE_EVERY_SECONDS,
+    MIN_ALIVE_EVERY_SECONDS,
+    CancelReply,
+    CancelTurn,
+    LlmStream,
+    LlmTurn,
+    TurnReply,
+)
 from servicekit.client import CommandFailed, call
 
 # A model turn can take minutes (long outputs, provider retries); metering bills it
@@ -40,7 +52,7 @@ class StreamSilent(CommandFailed):
     def __init__(self, turn_id: str, seconds: float) -> None:
         super().__init__(
             STREAM_SILENT,
-            f"turn {turn_id}: no delta and no reply for {seconds:.0f} s after the stream began",
+            f"turn {turn_id}: no beat and no reply from metering for {seconds:.0f} s",
         )
 
 
@@ -66,29 +78,35 @@ class MeteringClient:
         return await call(self._nc, subjects.LLM_TURN, cmd, TurnReply, timeout=self._timeout)
 
     async def stream(self, cmd: LlmStream) -> TurnReply:
-        """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`; a
-        started stream silent for `silence_seconds` raises `StreamSilent`."""
+        """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`; a turn
+        whose metering replica beat, then stayed silent for `silence_seconds`, raises
+        `StreamSilent`."""
         if self._silence is None:
             return await call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
         if cmd.turn_id in self._lost:
             raise StreamSilent(cmd.turn_id, self._silence)
-        request = call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
-        last_delta: float | None = None
+        every = min(max(self._silence / 4, MIN_ALIVE_EVERY_SECONDS), MAX_ALIVE_EVERY_SECONDS)
+        alive = subjects.alive_subject(uuid4().hex)
+        # Copied, not validated again: two trusted values added to a checked command.
+        cmd = cmd.model_copy(update={"alive_subject": alive, "alive_every_seconds": every})
+        last_heard: float | None = None
 
-        async def heard(msg: Msg) -> None:
-            nonlocal last_delta
-            with contextlib.suppress(ValueError, TypeError):
-                if json.loads(msg.data).get("turn_id") == cmd.turn_id:
-                    last_delta = time.monotonic()
+        async def heard(_: Msg) -> None:
+            nonlocal last_heard
+            last_heard = time.monotonic()
 
-        sub = await self._nc.subscribe(cmd.delta_subject, cb=heard)
-        waiting = asyncio.ensure_future(request)
+        # Subscribed before the request goes out on the same connection: the server has
+        # the subscription before metering can beat.
+        sub = await self._nc.subscribe(alive, cb=heard)
+        waiting = asyncio.ensure_future(
+            call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
+        )
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=self._silence / 4)
+                done, _ = await asyncio.wait({waiting}, timeout=every)
                 if done:
                     return waiting.result()
-                if last_delta is not None and time.monotonic() - last_delta > self._silence:
+                if last_heard is not None and time.monotonic() - last_heard > self._silence:
                     self._lost[cmd.turn_id] = None
                     while len(self._lost) > LOST_REMEMBERED:
                         del self._lost[next(iter(self._lost))]

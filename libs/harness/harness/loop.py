@@ -19,8 +19,9 @@ attempt succeeded. A turn id still running in metering (an earlier run died wait
 for it) is waited for when the loop is given `in_progress_wait_seconds`: its reply,
 once stored, is ours to replay; past the wait it is tried again under the next retry
 id (its metering replica died mid-call). Without a wait, it is an error the caller
-may retry later. A started stream that goes silent (`harness.client.StreamSilent`: its
-replica was killed mid-call) is tried again under the next retry id at once.
+may retry later. A stream whose metering replica goes silent (`harness.client.StreamSilent`:
+the replica was killed mid-call, before or after its first delta) is tried again under the
+next retry id at once.
 
 A streaming turn the person stopped (`cmd.llm.cancel`; metering's `stop_reason`
 "cancelled") ends the loop at once: its tool calls never run, and the answer is the
@@ -153,6 +154,8 @@ class ToolLoop:
             raise ValueError("max_iterations must be at least 1")
         self._client = client
         self._tools = {t.name: t for t in tools}
+        # The same on every iteration: built (validated) once per loop, not per turn.
+        self._specs = [t.spec() for t in self._tools.values()]
         self._max_iterations = max_iterations
         self._max_tokens = max_tokens
         self._pre = list(pre_tool_hooks or [])
@@ -203,7 +206,7 @@ class ToolLoop:
             "session_id": ctx.session_id,
             "system": ctx.system,
             "messages": list(messages),
-            "tools": [t.spec() for t in self._tools.values()],
+            "tools": list(self._specs),
             "max_tokens": self._max_tokens,
             "budget_micros": ctx.budget_micros,
         }
@@ -239,7 +242,7 @@ class ToolLoop:
                     await asyncio.sleep(IN_PROGRESS_POLL_SECONDS)
                     waited += IN_PROGRESS_POLL_SECONDS
                     continue
-                # A started stream gone silent lost its metering replica: its id stays
+                # A stream gone silent lost its metering replica: its id stays
                 # claimed (held) there, so only the next retry id can run (harness.client).
                 lost = isinstance(exc, StreamSilent)
                 if (lost or exc.code in self._retryable) and retry < MAX_TURN_RETRIES:

@@ -47,8 +47,17 @@ class Tool:
     description: str
     input_schema: dict[str, Any]
     handler: ToolHandler = field(compare=False)
+    # The spec as built once (`of`), for a tool made afresh for every turn.
+    built: ToolSpec | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, spec: ToolSpec, handler: ToolHandler) -> Tool:
+        """The tool `spec` describes, run by `handler`; its spec is not built again."""
+        return cls(spec.name, spec.description, spec.input_schema, handler, spec)
 
     def spec(self) -> ToolSpec:
+        if self.built is not None:
+            return self.built
         return ToolSpec(
             name=self.name, description=self.description, input_schema=self.input_schema
         )

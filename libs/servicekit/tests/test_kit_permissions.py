@@ -107,6 +107,9 @@ PUBLISH = [
     ("metering", DONE, False),
     ("metering", subjects.EVENTS_APPEND, False),
     ("metering", subjects.BINDINGS_CHANGED, True),
+    # a stream's beat: metering's to publish (its caller only listens)
+    ("metering", subjects.alive_subject("k1"), True),
+    ("criativo", subjects.alive_subject("k1"), False),
     # ops: reads and looks, never deletes, purges, creates streams or takes a durable
     (OPS, "$JS.API.STREAM.INFO.EVENTS", True),
     (OPS, "$JS.API.STREAM.LIST", True),
@@ -164,7 +167,8 @@ SUBSCRIBE = [
         False,
     ),
     ("criativo", CHAT, False),  # it consumes through its durable, not a core subscription
-    ("criativo", DELTA, True),  # its streams' liveness (harness.client), never to publish
+    ("criativo", DELTA, False),  # it never reads a delta: a stream's beat is its liveness
+    ("criativo", subjects.alive_subject("k1"), True),  # (harness.client), never to publish
     (OPS, CLOSED, True),
     (OPS, "handoff.>", True),
     (OPS, "session.>", True),

@@ -66,10 +66,10 @@ class CriativoSettings(ServiceSettings):
     # How long a turn id still running in metering (an earlier delivery's call) is
     # waited for before it is tried again under a retry id.
     turn_in_progress_wait_seconds: float = 120.0
-    # A started answer stream with no delta and no reply for this long lost its metering
-    # replica (SIGKILLed mid-turn): tried again under its next retry id rather than
-    # waiting out the request's 600 s (harness.client). Longer than any pause of a model
-    # between two pieces of text.
+    # An answer stream whose metering replica neither beats nor replies for this long lost
+    # that replica (SIGKILLed mid-turn, before or after the first delta): tried again under
+    # its next retry id rather than waiting out the request's 600 s (harness.client). The
+    # replica is asked to beat every quarter of it; a model that thinks long keeps it beating.
     stream_silence_seconds: float = 30.0
     # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
     session_budget_micros: int | None = 2_000_000

@@ -32,7 +32,7 @@ from typing import Any
 from uuid import UUID
 
 from contracts.events import BusinessRule, TurnUsage
-from contracts.metering import ChatMessage, TokenUsage, ToolUseBlock
+from contracts.metering import ChatMessage, TokenUsage, ToolSpec, ToolUseBlock
 from domain import criativo as rules
 from domain.criativo import Conversation
 from domain.errors import DomainError
@@ -101,6 +101,15 @@ EMIT_ARTIFACT_SCHEMA: dict[str, Any] = {
 }
 
 
+# Built (and validated) once: every turn offers the same tool, with its own handler.
+EMIT_ARTIFACT = ToolSpec(
+    name="emit_artifact",
+    description="Record an artifact of the conversation. Only business_rule can be emitted; "
+    "the product brief is written by the system after the person confirms readiness.",
+    input_schema=EMIT_ARTIFACT_SCHEMA,
+)
+
+
 def emit_artifact(conv: Conversation, record: RecordRule) -> Tool:
     """The tool: validated by the domain; a refusal goes back verbatim; a valid rule is
     recorded under its call's tool_use id (the same on every replay of the turn)."""
@@ -114,13 +123,7 @@ def emit_artifact(conv: Conversation, record: RecordRule) -> Tool:
         crash_point("criativo.after_rule")
         return ToolResult.ok(f"business_rule recorded as event {event_id}", data=event_id)
 
-    return Tool(
-        "emit_artifact",
-        "Record an artifact of the conversation. Only business_rule can be emitted; the "
-        "product brief is written by the system after the person confirms readiness.",
-        EMIT_ARTIFACT_SCHEMA,
-        handler,
-    )
+    return Tool.of(EMIT_ARTIFACT, handler)
 
 
 class Turns:

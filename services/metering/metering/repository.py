@@ -26,6 +26,36 @@ from servicekit.db import Connection
 BINDING_COLUMNS = "scope, project_id, agent_slug, session_id, model, updated_at, provider"
 
 
+# The compare-and-set reservations (`MeteringRepository.hold_if_unchanged`): a `run` CTE
+# writes the run's row only if it is as the caller saw it ($1 turn, $2 run, $3 hold, $4-$6
+# the run's new budget, spent and reserved); the claim below is written from its output,
+# so never without it. Two shapes of `run`, one claim.
+_CLAIM_AFTER_RUN = """,
+   claim AS (
+       INSERT INTO budget_holds (turn_id, run_id, hold_micros)
+       SELECT $1, $2, $3 FROM run
+       ON CONFLICT (turn_id) DO NOTHING RETURNING true)
+   SELECT (SELECT version FROM run) AS version, EXISTS (SELECT 1 FROM claim) AS claimed"""
+# The run's first turn: the row is created, unless someone created it meanwhile.
+HOLD_ON_NEW_RUN = (
+    """WITH run AS (
+       INSERT INTO run_budgets (run_id, budget_micros, spent_micros, reserved_micros, version)
+       VALUES ($2, $4, $5, $6, 1)
+       ON CONFLICT (run_id) DO NOTHING RETURNING version)"""
+    + _CLAIM_AFTER_RUN
+)
+# A run whose row the caller saw at version $7.
+HOLD_ON_SEEN_RUN = (
+    """WITH run AS (
+       UPDATE run_budgets SET budget_micros = $4, spent_micros = $5, reserved_micros = $6,
+              version = version + 1, updated_at = now()
+        WHERE run_id = $2 AND version = $7
+          AND NOT EXISTS (SELECT 1 FROM budget_holds WHERE turn_id = $1)
+       RETURNING version)"""
+    + _CLAIM_AFTER_RUN
+)
+
+
 @dataclass(frozen=True)
 class UsageRecord:
     """One `token_usage` row: who called, what it consumed and cost, how it ended."""
@@ -69,6 +99,15 @@ class StoredRun:
 
     budget: RunBudget
     version: int
+
+
+@dataclass(frozen=True)
+class Bill:
+    """What billing a call did: whether this call wrote its usage row (False: it had one
+    already), and the run's row afterwards (None only for a run without a row)."""
+
+    billed: bool
+    run: StoredRun | None
 
 
 def _stored(row: asyncpg.Record) -> StoredRun:
@@ -147,41 +186,6 @@ class BudgetTransaction:
         )
         return held
 
-    async def insert_usage(self, record: UsageRecord) -> bool:
-        """Write the call's usage row; False when the turn already had one (nothing written)."""
-        u = record.usage
-        inserted = await self._conn.fetchval(
-            """INSERT INTO token_usage (turn_id, run_id, kind, provider, model, agent_slug,
-                   project_id, session_id, input_tokens, output_tokens, cache_write_5m_tokens,
-                   cache_write_1h_tokens, cache_read_tokens, cost_micros, status, error_code,
-                   error_message, started_at, first_token_at, finished_at, reply)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-                       $17, $18, $19, $20, $21)
-               ON CONFLICT (turn_id) DO NOTHING RETURNING true""",
-            record.turn_id,
-            record.run_id,
-            record.kind,
-            record.provider,
-            record.model,
-            record.agent_slug,
-            record.project_id,
-            record.session_id,
-            u.input_tokens,
-            u.output_tokens,
-            u.cache_write_5m_tokens,
-            u.cache_write_1h_tokens,
-            u.cache_read_tokens,
-            record.cost_micros,
-            record.status,
-            record.error_code,
-            record.error_message,
-            record.started_at,
-            record.first_token_at,
-            record.finished_at,
-            record.reply.model_dump(mode="json") if record.reply is not None else None,
-        )
-        return bool(inserted)
-
     async def abandoned_holds(self, older_than_seconds: float, limit: int = 100) -> list[Any]:
         """Holds still live long after any call could have ended (the replica that made
         them died mid-call). Not locked here: the sweep locks each run first, in the
@@ -228,48 +232,11 @@ class MeteringRepository:
         The claim depends on the row's update, so a claim is never written without its
         reservation; a concurrent claim of the same turn id bumped the version too (`hold`,
         this statement), so the update cannot succeed beside it."""
+        figures = (turn_id, run_id, amount, run.budget, run.spent, run.reserved)
         if seen is None:
-            row = await self._pool.fetchrow(
-                """WITH run AS (
-                       INSERT INTO run_budgets (run_id, budget_micros, spent_micros,
-                                                reserved_micros, version)
-                       VALUES ($2, $4, $5, $6, 1)
-                       ON CONFLICT (run_id) DO NOTHING RETURNING version),
-                   claim AS (
-                       INSERT INTO budget_holds (turn_id, run_id, hold_micros)
-                       SELECT $1, $2, $3 FROM run
-                       ON CONFLICT (turn_id) DO NOTHING RETURNING true)
-                   SELECT (SELECT version FROM run) AS version,
-                          EXISTS (SELECT 1 FROM claim) AS claimed""",
-                turn_id,
-                run_id,
-                amount,
-                run.budget,
-                run.spent,
-                run.reserved,
-            )
+            row = await self._pool.fetchrow(HOLD_ON_NEW_RUN, *figures)
         else:
-            row = await self._pool.fetchrow(
-                """WITH run AS (
-                       UPDATE run_budgets SET budget_micros = $4, spent_micros = $5,
-                              reserved_micros = $6, version = version + 1, updated_at = now()
-                        WHERE run_id = $2 AND version = $7
-                          AND NOT EXISTS (SELECT 1 FROM budget_holds WHERE turn_id = $1)
-                       RETURNING version),
-                   claim AS (
-                       INSERT INTO budget_holds (turn_id, run_id, hold_micros)
-                       SELECT $1, $2, $3 FROM run
-                       ON CONFLICT (turn_id) DO NOTHING RETURNING true)
-                   SELECT (SELECT version FROM run) AS version,
-                          EXISTS (SELECT 1 FROM claim) AS claimed""",
-                turn_id,
-                run_id,
-                amount,
-                run.budget,
-                run.spent,
-                run.reserved,
-                seen.version,
-            )
+            row = await self._pool.fetchrow(HOLD_ON_SEEN_RUN, *figures, seen.version)
         assert row is not None
         if row["version"] is not None and not row["claimed"]:
             # Only a caller reusing a turn id under another run gets here: the run now
@@ -277,6 +244,76 @@ class MeteringRepository:
             raise RuntimeError(f"turn id {turn_id} is claimed under another run than {run_id}")
         version: int | None = row["version"]
         return version
+
+    async def bill(self, record: UsageRecord) -> Bill:
+        """Write the call's usage row, settle its hold to the real cost and move the hold to
+        the run's spend: one statement, so one round trip and its own transaction.
+
+        Exactly once: the rest follows only from the usage row being inserted here; a turn
+        that already has one (a retry after a lost reply) changes nothing, and gets the run
+        as it is. The run's row is locked first, in the same order as a reservation and
+        the sweeper (run, then hold), so the three never deadlock; its new figures are
+        `domain.metering.settle` computed on the row as locked (`spent_micros + cost`, so
+        parallel bills of one run never overwrite each other), and the hold is released
+        only if still live, so a hold the sweeper settled meanwhile is not released twice.
+        A hold lost with a crashed store releases nothing: the cost is still spent."""
+        u = record.usage
+        row = await self._pool.fetchrow(
+            """WITH run_locked AS MATERIALIZED (
+                   SELECT budget_micros, spent_micros, reserved_micros, version
+                     FROM run_budgets WHERE run_id = $2 FOR UPDATE),
+               usage AS (
+                   INSERT INTO token_usage (turn_id, run_id, kind, provider, model, agent_slug,
+                       project_id, session_id, input_tokens, output_tokens,
+                       cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,
+                       cost_micros, status, error_code, error_message, started_at,
+                       first_token_at, finished_at, reply)
+                   -- run_locked is read before the row goes in: the run's lock comes first
+                   SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                          $16, $17, $18, $19, $20, $21
+                    WHERE (SELECT count(*) FROM run_locked) >= 0
+                   ON CONFLICT (turn_id) DO NOTHING RETURNING turn_id),
+               hold AS (
+                   UPDATE budget_holds SET status = 'settled', cost_micros = $14,
+                          settled_at = now()
+                    WHERE turn_id = $1 AND status = 'held' AND EXISTS (SELECT 1 FROM usage)
+                   RETURNING hold_micros),
+               run AS (
+                   UPDATE run_budgets
+                      SET spent_micros = spent_micros + $14,
+                          reserved_micros = reserved_micros
+                                            - coalesce((SELECT hold_micros FROM hold), 0),
+                          version = version + 1, updated_at = now()
+                    WHERE run_id = $2 AND EXISTS (SELECT 1 FROM usage)
+                   RETURNING budget_micros, spent_micros, reserved_micros, version)
+               SELECT true AS billed, * FROM run
+               UNION ALL
+               SELECT false, * FROM run_locked WHERE NOT EXISTS (SELECT 1 FROM run)""",
+            record.turn_id,
+            record.run_id,
+            record.kind,
+            record.provider,
+            record.model,
+            record.agent_slug,
+            record.project_id,
+            record.session_id,
+            u.input_tokens,
+            u.output_tokens,
+            u.cache_write_5m_tokens,
+            u.cache_write_1h_tokens,
+            u.cache_read_tokens,
+            record.cost_micros,
+            record.status,
+            record.error_code,
+            record.error_message,
+            record.started_at,
+            record.first_token_at,
+            record.finished_at,
+            record.reply.model_dump(mode="json") if record.reply is not None else None,
+        )
+        if row is None:  # no run row: cannot happen (a hold needs one), billed regardless
+            return Bill(billed=True, run=None)
+        return Bill(billed=row["billed"], run=_stored(row))
 
     async def ended_turn(self, turn_id: str) -> EndedTurn | None:
         """The outcome of a turn that already ran, if it did."""

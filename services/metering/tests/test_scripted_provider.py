@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
+from pathlib import Path
 
 import pytest
 
 from contracts.events import BusinessRule, HypothesisProposed, ProductBrief
 from contracts.metering import ChatMessage, TextBlock, ToolResultBlock, ToolSpec, ToolUseBlock
 from metering.providers.base import Progress, ProviderError, ProviderRequest
-from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider, ScriptStep
+from metering.providers.scripted import (
+    DEFAULT_SCRIPT,
+    LoggingScripted,
+    Script,
+    ScriptedProvider,
+    ScriptStep,
+)
 
 ANY_SCHEMA = {"type": "object"}
 
@@ -133,3 +141,21 @@ async def test_default_script_criativo_records_a_rule_citing_the_message_and_wri
     text = brief.content[0]
     assert isinstance(text, TextBlock)
     ProductBrief.model_validate(json.loads(text.text))
+
+
+async def test_the_logging_provider_writes_a_line_per_call_before_it_answers(
+    tmp_path: Path,
+) -> None:
+    script = Script(steps=[ScriptStep(text="Sure.")])
+    calls, prompts = tmp_path / "calls.jsonl", tmp_path / "prompts.jsonl"
+    counting = LoggingScripted(script, calls)
+    recording = LoggingScripted(script, prompts, prompts=True)
+    for provider in (counting, counting, recording):
+        await provider.complete(request("chat", user("Olá")), Progress(), None)
+
+    lines = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [(x["agent"], x["pid"]) for x in lines] == [("chat", os.getpid())] * 2
+    assert lines[0]["at"] <= lines[1]["at"]
+    (line,) = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()]
+    assert line["tools"] == []
+    assert line["messages"] == [{"role": "user", "content": "Olá"}]

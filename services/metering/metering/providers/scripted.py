@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -302,18 +303,51 @@ class ScriptedProvider:
         return None
 
 
+class LoggingScripted(ScriptedProvider):
+    """The scripted provider, appending one JSON line per call to `path` before it answers.
+
+    The fake model's own record of its calls, for a test or bench to compare with what
+    metering billed (`bench/chaos.py` counts the lines against `token_usage`) or with what
+    the model was shown. Each line holds the agent, the process and the time; with
+    `prompts`, also the tools offered and the whole conversation."""
+
+    def __init__(self, script: Script, path: Path, *, prompts: bool = False) -> None:
+        super().__init__(script)
+        self._path = path
+        self._prompts = prompts
+
+    async def complete(
+        self, request: ProviderRequest, progress: Progress, on_text: OnText | None
+    ) -> ProviderReply:
+        line: dict[str, Any] = {"agent": request.agent_slug, "pid": os.getpid(), "at": time.time()}
+        if self._prompts:
+            line["tools"] = [t.name for t in request.tools]
+            line["messages"] = [m.model_dump(mode="json") for m in request.messages]
+        with self._path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        return await super().complete(request, progress, on_text)
+
+
+# The Psicólogo's offline steps: hypotheses citing the session's events, again after a
+# refusal, then done.
+PSYCHOLOGIST_STEPS = [
+    ScriptStep(
+        has_tool="emit_hypotheses", after_tool_result=False, responder="psychologist_hypotheses"
+    ),
+    ScriptStep(
+        has_tool="emit_hypotheses", after_tool_error=True, responder="psychologist_hypotheses"
+    ),
+    ScriptStep(has_tool="emit_hypotheses", text="Analysis complete."),
+]
+# Criativo's consolidation turn: the brief from what the person said.
+BRIEF_STEP = ScriptStep(contains="product_brief", responder="criativo_brief")
+
 # The offline demo: every flow of the system completes without a key (issue 4).
 DEFAULT_SCRIPT = Script(
     token_delay_ms=15,
     steps=[
-        ScriptStep(
-            has_tool="emit_hypotheses", after_tool_result=False, responder="psychologist_hypotheses"
-        ),
-        ScriptStep(
-            has_tool="emit_hypotheses", after_tool_error=True, responder="psychologist_hypotheses"
-        ),
-        ScriptStep(has_tool="emit_hypotheses", text="Analysis complete."),
-        ScriptStep(contains="product_brief", responder="criativo_brief"),
+        *PSYCHOLOGIST_STEPS,
+        BRIEF_STEP,
         ScriptStep(has_tool="emit_artifact", after_tool_result=False, responder="criativo_rule"),
         ScriptStep(has_tool="emit_artifact", text="I noted that rule. What else matters?"),
         ScriptStep(responder="echo"),
