@@ -431,6 +431,7 @@ async def test_the_service_is_discoverable_through_nats_micro(nc: Client, log_se
         subjects.SESSIONS_HEARTBEAT,
         subjects.SESSIONS_GET,
         subjects.EVENTS_APPEND,
+        subjects.EVENTS_APPEND_MANY,
         subjects.EVENTS_GET,
         subjects.EVENTS_LIST,
         subjects.EVENTS_QUERY,
