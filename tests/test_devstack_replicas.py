@@ -175,6 +175,17 @@ async def test_up_with_two_replicas_runs_and_lists_two_of_every_service(
                 me = await http.get(f"{host}/api/projects/demo?token={token}")
                 assert me.status_code == 200
 
+        # Every replica's metrics URL is printed, and answers.
+        metrics = [
+            line.split("metrics ", 1)[1].split()[0]
+            for line in (tmp_path / "up.log").read_text().splitlines()
+            if line.strip().startswith("metrics http://127.0.0.1:")
+        ]
+        assert len(set(metrics)) == len(metrics) == 2 * len(SERVICES), metrics
+        async with httpx.AsyncClient(timeout=10) as http:
+            for url in metrics:
+                assert (await http.get(url)).status_code == 200, url
+
         down = agentbus("down", env=replicated_env)
         assert down.stdout.strip() == "stopped"
         assert up.wait(60) == 0

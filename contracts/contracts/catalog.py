@@ -53,6 +53,8 @@ from contracts.psychologist import (
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
+    AppendMany,
+    AppendManyReply,
     CloseSession,
     EventsReply,
     GetEvents,
@@ -100,6 +102,9 @@ SESSIONS_HEARTBEAT = Command(
 SESSIONS_GET = Command(subjects.SESSIONS_GET, "session_events", SessionRef, SessionView)
 SESSIONS_LIST = Command(subjects.SESSIONS_LIST, "session_events", ListSessions, SessionsReply)
 EVENTS_APPEND = Command(subjects.EVENTS_APPEND, "session_events", AppendEvent, AppendedReply)
+EVENTS_APPEND_MANY = Command(
+    subjects.EVENTS_APPEND_MANY, "session_events", AppendMany, AppendManyReply
+)
 EVENTS_GET = Command(subjects.EVENTS_GET, "session_events", GetEvents, EventsReply)
 EVENTS_LIST = Command(subjects.EVENTS_LIST, "session_events", ListEvents, EventsReply)
 EVENTS_QUERY = Command(subjects.EVENTS_QUERY, "session_events", QueryEvents, EventsReply)
@@ -137,6 +142,7 @@ COMMANDS: list[Command[Any, Any]] = [
     SESSIONS_GET,
     SESSIONS_LIST,
     EVENTS_APPEND,
+    EVENTS_APPEND_MANY,
     EVENTS_GET,
     EVENTS_LIST,
     EVENTS_QUERY,
@@ -223,6 +229,7 @@ ACCESS = [
         "handoff",
         calls=(
             subjects.EVENTS_APPEND,
+            subjects.EVENTS_APPEND_MANY,  # its outbox relay (servicekit.outbox.LogAppender)
             subjects.EVENTS_GET,
             subjects.SESSIONS_GET,
         ),
@@ -243,6 +250,7 @@ ACCESS = [
         "psychologist",
         calls=(
             subjects.EVENTS_APPEND,
+            subjects.EVENTS_APPEND_MANY,
             subjects.EVENTS_GET,
             subjects.EVENTS_LIST,
             subjects.EVENTS_QUERY,
@@ -256,6 +264,7 @@ ACCESS = [
         "criativo",
         calls=(
             subjects.EVENTS_APPEND,
+            subjects.EVENTS_APPEND_MANY,
             subjects.EVENTS_GET,
             subjects.EVENTS_LIST,
             subjects.SESSIONS_TERMINATE,

@@ -176,6 +176,10 @@ class SessionSummary(Message):
     status: Literal["open", "closed", "closed_abnormally"]
     closed_at: datetime | None = None
     reason: str | None = None
+    # Its first message (cut to `contracts.session_events.TITLE_MAX_CHARS`), if any.
+    title: str | None = None
+    # When its latest event was appended: its last activity.
+    last_event_at: datetime
 
 
 class SessionsReply(Message):

@@ -8,7 +8,16 @@ from uuid import UUID
 
 from pydantic import Field, StringConstraints
 
-from contracts.common import TEXT_CHECK, Actor, Int64, JsonObject, Key, Message, ProjectId
+from contracts.common import (
+    TEXT_CHECK,
+    Actor,
+    ErrorBody,
+    Int64,
+    JsonObject,
+    Key,
+    Message,
+    ProjectId,
+)
 from contracts.events import Event
 
 # Size of one event payload, serialised. Larger artifacts belong in a blob store;
@@ -17,6 +26,12 @@ MAX_EVENT_PAYLOAD_BYTES = 256 * 1024
 # The most events one `cmd.events.list` or `cmd.events.get` answers: a client reading
 # more pages at this size (`servicekit.sessionlog`).
 EVENTS_PAGE_MAX = 1000
+# The most events one `cmd.events.append_many` takes (an outbox relay's claim, at most).
+APPEND_MANY_MAX = 256
+# A listed session's title is its first `chat.message`, looked for among its first
+# events only (a bounded index read per session), and cut to this many characters.
+TITLE_SEARCH_EVENTS = 20
+TITLE_MAX_CHARS = 200
 
 EventTypeName = Annotated[str, StringConstraints(min_length=1, max_length=128), TEXT_CHECK]
 SessionStatus = Literal["open", "closed", "closed_abnormally"]
@@ -53,6 +68,34 @@ class AppendedReply(Message):
     event_id: UUID
     seq: int
     duplicate: bool = False
+
+
+class AppendMany(Message):
+    """`cmd.events.append_many`: append each event as `cmd.events.append` would, in the
+    order given, with one answer each: an event the log refuses (its type, payload,
+    session, author…) gets its own coded error and the others go in. A malformed request
+    (any event not an `AppendEvent`) is refused whole, as any command's; an outbox relay
+    then sends its rows one per request, so only the bad one is dead-lettered. An
+    event that fails to be written (an error a retry may cure) holds back the later
+    events of its session in the request, answered `unavailable`: a session's events are
+    written in the order given or not at all."""
+
+    events: list[AppendEvent] = Field(min_length=1, max_length=APPEND_MANY_MAX)
+
+
+class AppendOutcome(Message):
+    """One event of `cmd.events.append_many`: the `AppendedReply` fields, or `error`."""
+
+    event_id: UUID | None = None
+    seq: int | None = None
+    duplicate: bool = False
+    error: ErrorBody | None = None
+
+
+class AppendManyReply(Message):
+    """One outcome per event, in the order of the request."""
+
+    results: list[AppendOutcome]
 
 
 class GetEvents(Message):
@@ -142,7 +185,18 @@ class SessionView(Message):
     event_count: int
 
 
+class ListedSession(SessionView):
+    """A session as `cmd.sessions.list` lists it: its state, what it is about and when it
+    last moved, so a list needs no request per session."""
+
+    # Its first message (among the first `TITLE_SEARCH_EVENTS` events), cut to
+    # `TITLE_MAX_CHARS`; None while nobody has said anything.
+    title: str | None
+    # When its latest event was appended.
+    last_event_at: datetime
+
+
 class SessionsReply(Message):
     """Sessions, newest first."""
 
-    sessions: list[SessionView]
+    sessions: list[ListedSession]

@@ -20,6 +20,9 @@ class StreamSpec:
     duplicate_window_seconds: float = 120
     max_msg_size: int = -1
     storage: str = "file"
+    # Takes JetStream's atomic batches (nats-server >= 2.12): the outbox relay publishes a
+    # session's events as one, so they land in order, all or none (servicekit.outbox).
+    allow_atomic: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -41,6 +44,7 @@ EVENTS = StreamSpec(
     max_age_seconds=EVENTS_MAX_AGE_SECONDS,
     max_bytes=EVENTS_MAX_BYTES,
     max_msg_size=1024 * 1024,
+    allow_atomic=True,
 )
 
 # Short-lived: lets a reconnecting client catch up on the turn in flight.

@@ -251,9 +251,12 @@ async def _describe(
             info = next(iter(infos.values()))
             commands = ", ".join(sorted(e["subject"] for e in info["endpoints"]))
             lines.append(f"  {spec.name:<16} {commands}")
-            # Announced by the kit in its micro metadata (servicekit.metrics).
-            if metrics := (info.get("metadata") or {}).get("metrics"):
-                lines.append(f"  {'':<16} metrics {metrics}/metrics")
+            # Every replica's, each announced by the kit in its micro metadata
+            # (servicekit.metrics); named by instance when there are several.
+            for instance, replica in sorted(infos.items()):
+                if metrics := (replica.get("metadata") or {}).get("metrics"):
+                    named = f" ({instance})" if replicas > 1 else ""
+                    lines.append(f"  {'':<16} metrics {metrics}/metrics{named}")
             if replicas > 1:
                 lines.append(f"  {'':<16} replicas: {', '.join(sorted(infos))}")
     finally:

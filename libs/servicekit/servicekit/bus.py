@@ -111,6 +111,7 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> StreamConfig:
         duplicate_window=spec.duplicate_window_seconds,
         max_msg_size=spec.max_msg_size,
         num_replicas=replicas,
+        allow_atomic=spec.allow_atomic,
     )
 
 
@@ -145,6 +146,8 @@ def _mismatches(spec: StreamSpec, found: StreamConfig, replicas: int) -> list[st
     ):
         if getattr(found, name) != getattr(want, name):
             problems.append(f"{name} is {getattr(found, name)}, expected {getattr(want, name)}")
+    if bool(found.allow_atomic) != spec.allow_atomic:  # the server omits it when false
+        problems.append(f"allow_atomic is {bool(found.allow_atomic)}, expected {spec.allow_atomic}")
     if set(found.subjects or []) != set(want.subjects or []):
         problems.append("subjects differ from the contracts")
     return problems

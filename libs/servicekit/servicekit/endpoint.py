@@ -112,6 +112,21 @@ class _MicroStats:
             ep._last_error = f"{error.code}: {error.message}"  # type: ignore[assignment]
 
 
+def error_body(exc: Exception, subject: str) -> ErrorBody:
+    """The coded error a command answers for `exc` (logged): a refusal keeps its code, a
+    failure of the store or the bus is `unavailable`, anything else `internal`. Also
+    what a command answering many items gives each failed one (`cmd.events.append_many`)."""
+    if isinstance(exc, DomainError):
+        log.info("command_refused", subject=subject, code=exc.code, reason=exc.message)
+        return ErrorBody(code=exc.code, message=exc.message, details=exc.details)
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        log.warning("command_unavailable", subject=subject, error=repr(exc))
+        message = f"temporarily unavailable, retry: {exc!r}"
+        return ErrorBody(code=ErrorCode.UNAVAILABLE.value, message=message)
+    log.error("command_failed", subject=subject, exc_info=exc)
+    return ErrorBody(code=ErrorCode.INTERNAL.value, message=f"internal error: {type(exc).__name__}")
+
+
 def _invalid_request(exc: ValidationError) -> DomainError:
     errors = exc.errors(include_url=False, include_input=False)
     if any(e["type"] == "json_invalid" for e in errors):
@@ -255,12 +270,6 @@ class Endpoints:
                 raise _invalid_request(exc) from None
             reply = await command.handler(parsed)
             return Answer(reply.model_dump_json().encode())
-        except DomainError as exc:
-            log.info("command_refused", subject=command.subject, code=exc.code, reason=exc.message)
-            return _error(exc.code, exc.message, **exc.details)
-        except UNAVAILABLE_ERRORS as exc:
-            log.warning("command_unavailable", subject=command.subject, error=repr(exc))
-            return _error(ErrorCode.UNAVAILABLE, f"temporarily unavailable, retry: {exc!r}")
         except Exception as exc:
-            log.exception("command_failed", subject=command.subject)
-            return _error(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            body = error_body(exc, command.subject)
+            return Answer(ErrorReply(error=body).model_dump_json().encode(), body)

@@ -32,17 +32,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import asyncpg
 from nats.aio.client import Client
-from nats.js import JetStreamContext
+from nats.errors import NoRespondersError
 
 from contracts import subjects
 from contracts.common import ErrorBody, ErrorCode
-from contracts.session_events import AppendEvent
+from contracts.session_events import APPEND_MANY_MAX, AppendEvent
 from domain import log_rules
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
@@ -65,6 +66,11 @@ TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.val
 MAX_INTERNAL_ATTEMPTS = 8
 # The consumer label of the outbox's dead letters (servicekit.metrics.DEAD_LETTERS).
 OUTBOX_CONSUMER = "outbox"
+# A `cmd.events.append_many` request's events, in bytes: under the log's request limit
+# (servicekit.endpoint.MAX_REQUEST_BYTES) and the server's max_payload, with room to
+# spare for the envelope and the headers.
+MAX_APPEND_MANY_BYTES = 1024 * 1024 - 16 * 1024
+APPEND_MANY_SLACK_BYTES = 16 * 1024
 
 
 def notify_channel(schema: str) -> str:
@@ -292,44 +298,118 @@ DELIVERED = Delivery()
 HELD_BACK = Delivery("waiting for an earlier row of the same key")
 
 
+# Delivers rows (a key's, or many keys'), a Delivery each, in the order given.
+DeliverRows = Callable[[Sequence[OutboxRow]], Awaitable[list[Delivery]]]
+
+
 class Sender(Protocol):
     """Delivers claimed rows, in order, and says what became of each."""
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]: ...
 
 
-async def in_key_order(
-    rows: Sequence[OutboxRow], deliver: Callable[[OutboxRow], Awaitable[Delivery]]
-) -> list[Delivery]:
-    """Deliver each key's rows one after another and different keys in parallel.
-
-    A row that failed (and may succeed later) holds its key's later rows back, so the
-    receiver sees a key's rows in the order they were written; a stalled receiver costs
-    one timeout per batch, not one per row.
-    """
-    results: list[Delivery] = [HELD_BACK] * len(rows)
+def key_chains(rows: Sequence[OutboxRow]) -> list[list[int]]:
+    """The indexes of `rows` by ordering key, each key's in the order written; a row
+    without a key is a chain of its own."""
     chains: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
         chains.setdefault(row.ordering_key or f"#row{i}", []).append(i)
+    return list(chains.values())
 
-    async def deliver_chain(indexes: list[int]) -> None:
-        for i in indexes:
-            results[i] = await deliver(rows[i])
-            if results[i].error is not None and not results[i].permanent:
-                return  # the rest stay HELD_BACK, retried after this one
 
-    await asyncio.gather(*(deliver_chain(chain) for chain in chains.values()))
+async def one_after_another(
+    chain: Sequence[OutboxRow], deliver: Callable[[OutboxRow], Awaitable[Delivery]]
+) -> list[Delivery]:
+    """Deliver a key's rows one after another; a row that failed (and may succeed later)
+    holds the rest back, so the receiver sees them in the order they were written."""
+    results: list[Delivery] = [HELD_BACK] * len(chain)
+    for i, row in enumerate(chain):
+        results[i] = await deliver(row)
+        if results[i].error is not None and not results[i].permanent:
+            break  # the rest stay HELD_BACK, retried after this one
     return results
 
 
-class JetStreamPublisher:
-    """Publishes rows to JetStream with `Nats-Msg-Id`, in key order (`in_key_order`)."""
+async def in_key_order(
+    rows: Sequence[OutboxRow],
+    deliver_chain: DeliverRows,
+) -> list[Delivery]:
+    """Deliver each key's rows with `deliver_chain` (which keeps their order and holds
+    back what follows a failure) and different keys in parallel; a stalled receiver
+    costs one timeout per batch, not one per row."""
+    results: list[Delivery] = [HELD_BACK] * len(rows)
 
-    def __init__(self, js: JetStreamContext) -> None:
-        self._js = js
+    async def deliver(indexes: list[int]) -> None:
+        delivered = await deliver_chain([rows[i] for i in indexes])
+        for i, delivery in zip(indexes, delivered, strict=True):
+            results[i] = delivery
+
+    await asyncio.gather(*(deliver(chain) for chain in key_chains(rows)))
+    return results
+
+
+# JetStream's atomic batch (ADR-50, nats-server >= 2.12): the messages of a batch are
+# stored all, in the order sent, or none. Its limits: 1,000 messages a batch, 50 batches
+# in flight per stream (across every publisher: replicas share it).
+BATCH_ID = "Nats-Batch-Id"
+BATCH_SEQUENCE = "Nats-Batch-Sequence"
+BATCH_COMMIT = "Nats-Batch-Commit"
+MAX_ATOMIC_BATCH = 1000
+MAX_BATCHES_IN_FLIGHT = 16
+# The fewest rows a key sends as a batch. A batch's commit is synced to disk by the file
+# store: measured here (nats-server 2.15, one node) a commit takes 10-25 ms where an
+# acknowledged publish takes 0.2-0.5 ms, so a short run of rows goes faster one by one,
+# and only a backlog (one busy session) gains from a batch. (With `sync_interval:
+# always`, as in production, every publish is synced and batches gain sooner.)
+ATOMIC_BATCH_MIN = 32
+# Refusals of a whole batch that say "publish these one by one" rather than "retry":
+# a message of it is already stored (an earlier attempt's; the batch is refused whole,
+# where a lone publish is deduplicated by its Nats-Msg-Id), or the stream does not
+# take atomic batches.
+BATCH_HAS_DUPLICATE = 10201
+ATOMIC_PUBLISH_DISABLED = 10174
+_ONE_BY_ONE = frozenset({BATCH_HAS_DUPLICATE, ATOMIC_PUBLISH_DISABLED})
+
+
+class JetStreamPublisher:
+    """Publishes rows to JetStream with `Nats-Msg-Id`, each key's rows in order.
+
+    A key with a backlog (`ATOMIC_BATCH_MIN` rows or more) sends it as one atomic batch
+    rather than one acknowledged publish after another, which let one busy session's
+    publishing fall seconds behind its appends (bench/append.py); a short run goes one by
+    one, which is faster for it. Why a batch and not N publishes awaited together: on one
+    connection those reach the stream in order, but if row k fails (a reconnect that
+    loses it, a leader election, a refusal of k alone) while k+1 is stored, k's retry
+    lands after k+1, and consumers would see the session out of order. The subjects of
+    a session differ by event type, so no `Nats-Expected-Last-Subject-Sequence` can
+    chain them either. A batch is stored whole or not at all: a failed one is retried
+    whole, and the key's order holds. When a batch cannot be used (a row of it was
+    already stored by an attempt whose ack was lost, or the stream refuses batches),
+    the key's rows go one acknowledged publish at a time, deduplicated one by one.
+    """
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._in_flight = asyncio.Semaphore(MAX_BATCHES_IN_FLIGHT)
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
-        return await in_key_order(rows, self._publish)
+        return await in_key_order(rows, self._publish_chain)
+
+    async def _publish_chain(self, chain: Sequence[OutboxRow]) -> list[Delivery]:
+        results: list[Delivery] = []
+        for start in range(0, len(chain), MAX_ATOMIC_BATCH):
+            piece = chain[start : start + MAX_ATOMIC_BATCH]
+            if len(piece) < ATOMIC_BATCH_MIN:
+                delivered = await one_after_another(piece, self._publish)
+            else:
+                async with self._in_flight:
+                    batched = await self._publish_batch(piece)
+                delivered = batched or await one_after_another(piece, self._publish)
+            results += delivered
+            if any(d.error is not None for d in delivered):
+                break  # the rest wait behind the failure
+        return results + [HELD_BACK] * (len(chain) - len(results))
 
     async def _publish(self, row: OutboxRow) -> Delivery:
         carried = {**row.headers, "Nats-Msg-Id": row.msg_id}
@@ -343,19 +423,140 @@ class JetStreamPublisher:
                 return Delivery(repr(exc) or type(exc).__name__)
         return DELIVERED
 
+    async def _publish_batch(self, rows: Sequence[OutboxRow]) -> list[Delivery] | None:
+        """Publish `rows` as one atomic batch: a Delivery each, or None when they must go
+        one by one instead (`_ONE_BY_ONE`)."""
+        batch_id = uuid.uuid4().hex
+        with contextlib.ExitStack() as spans:  # each row's publish continues its own trace
+            sent = [
+                spans.enter_context(
+                    publish_span(r.subject, {**r.headers, "Nats-Msg-Id": r.msg_id}, r.msg_id)
+                )
+                for r in rows
+            ]
+            for n, headers in enumerate(sent, 1):
+                headers |= {BATCH_ID: batch_id, BATCH_SEQUENCE: str(n)}
+            sent[-1][BATCH_COMMIT] = "1"
+            last = rows[-1]
+            try:
+                for row, headers in zip(rows[:-1], sent, strict=False):
+                    await self._nc.publish(row.subject, row.body, headers=headers)
+                # The commit's reply is the batch's ack: all stored, or none.
+                reply = await self._nc.request(
+                    last.subject, last.body, timeout=SEND_TIMEOUT_SECONDS, headers=sent[-1]
+                )
+            except Exception as exc:  # no stream, timeout, connection lost: retry later
+                return [Delivery(repr(exc) or type(exc).__name__)] * len(rows)
+        ack = json.loads(reply.data)
+        if "error" not in ack:
+            return [DELIVERED] * len(rows)
+        if ack["error"].get("err_code") in _ONE_BY_ONE:
+            return None
+        return [Delivery(f"batch refused: {ack['error']}")] * len(rows)
+
 
 class LogAppender:
-    """Sends rows as commands (`cmd.events.append`, or another command the row names)
-    and reads the reply, in key order (`in_key_order`): the log receives a session's
-    events in the order they were written, sessions in parallel."""
+    """Sends rows as the commands they name and reads the replies: each key's rows in the
+    order written, keys in parallel.
+
+    Events for the log (`cmd.events.append` rows) go many to a request,
+    `cmd.events.append_many`: a claim costs one round trip and one group commit of the
+    log instead of one of each per row. The log writes them in the order sent, answers
+    each on its own (a refused row is dead-lettered with its code, the rest go in), and
+    holds a session's later events back behind one it failed to write, so a key's order
+    holds as with one request per row. Requests go one after another, and a key that
+    failed in one sends nothing more in the next. (The log cannot know that a row it
+    answered `internal` is given up here, `MAX_INTERNAL_ATTEMPTS`: the rows it held back
+    behind it go at their retry.) The request continues the trace of its
+    first row. A key that also holds other commands (Criativo's offers) sends one request
+    per row, in order; so do all when no log serves `append_many` (an older one).
+    """
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
-        return await in_key_order(rows, self._append)
+        results: list[Delivery] = [HELD_BACK] * len(rows)
+        together: list[int] = []
+        one_by_one: list[list[int]] = []
+        for chain in key_chains(rows):
+            if all(rows[i].subject == subjects.EVENTS_APPEND for i in chain):
+                together += chain
+            else:
+                one_by_one.append(chain)
 
-    async def _append(self, row: OutboxRow) -> Delivery:
+        async def deliver(
+            indexes: list[int], how: Callable[..., Awaitable[list[Delivery]]]
+        ) -> None:
+            for i, delivery in zip(indexes, await how([rows[i] for i in indexes]), strict=True):
+                results[i] = delivery
+
+        together.sort()  # the order written, which keeps each key's
+        await asyncio.gather(
+            deliver(together, self._append_many),
+            *(deliver(chain, self._one_after_another) for chain in one_by_one),
+        )
+        return results
+
+    async def _one_after_another(self, chain: Sequence[OutboxRow]) -> list[Delivery]:
+        return await one_after_another(chain, self._request)
+
+    async def _append_many(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        results: list[Delivery] = [HELD_BACK] * len(rows)
+        failed: set[str] = set()  # keys whose later rows wait for a retry
+        for piece in self._pieces(rows):
+            sent = [i for i in piece if _key(rows[i]) not in failed]
+            if not sent:
+                continue
+            delivered = await self._append_piece([rows[i] for i in sent])
+            for i, delivery in zip(sent, delivered, strict=True):
+                results[i] = delivery
+                if delivery.error is not None and not delivery.permanent:
+                    failed.add(_key(rows[i]))
+        return results
+
+    def _pieces(self, rows: Sequence[OutboxRow]) -> list[list[int]]:
+        """`rows` in order, cut into requests the log takes: at most `APPEND_MANY_MAX`
+        events and `MAX_APPEND_MANY_BYTES` (a larger row goes alone, and is answered
+        `payload_too_large` as its own request would be)."""
+        limit = min(MAX_APPEND_MANY_BYTES, self._nc.max_payload - APPEND_MANY_SLACK_BYTES)
+        pieces: list[list[int]] = []
+        size = 0
+        for i, row in enumerate(rows):
+            if not pieces or len(pieces[-1]) >= APPEND_MANY_MAX or size + len(row.body) > limit:
+                pieces.append([])
+                size = 0
+            pieces[-1].append(i)
+            size += len(row.body) + 1
+        return pieces
+
+    async def _append_piece(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        body = b'{"events":[' + b",".join(r.body for r in rows) + b"]}"
+        try:
+            with request_span(subjects.EVENTS_APPEND_MANY, rows[0].headers) as headers:
+                reply = await self._nc.request(
+                    subjects.EVENTS_APPEND_MANY,
+                    body,
+                    timeout=SEND_TIMEOUT_SECONDS,
+                    headers=headers,
+                )
+        except NoRespondersError:  # no log serves it (an older one): a request per row
+            return await in_key_order(rows, self._one_after_another)
+        except Exception as exc:
+            return [Delivery(repr(exc) or type(exc).__name__)] * len(rows)
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            if answer["error"]["code"] in TRANSIENT_CODES:
+                return [_answered(row, answer["error"]) for row in rows]
+            # Refused whole (a row that is not even JSON): one request per row finds
+            # the one to dead-letter, and the others go in.
+            return await in_key_order(rows, self._one_after_another)
+        return [
+            DELIVERED if outcome.get("error") is None else _answered(row, outcome["error"])
+            for row, outcome in zip(rows, answer["results"], strict=True)
+        ]
+
+    async def _request(self, row: OutboxRow) -> Delivery:
         try:
             with request_span(row.subject, row.headers) as headers:
                 reply = await self._nc.request(
@@ -365,16 +566,22 @@ class LogAppender:
             return Delivery(repr(exc) or type(exc).__name__)
         if not reply.data.startswith(b'{"error":'):
             return DELIVERED
-        error = json.loads(reply.data)["error"]
-        code = error["code"]
-        gave_up = code == ErrorCode.INTERNAL and row.attempts + 1 >= MAX_INTERNAL_ATTEMPTS
-        return Delivery(
-            f"{code}: {error['message']}",
-            permanent=code not in TRANSIENT_CODES or gave_up,
-            refusal=ErrorBody(
-                code=code, message=error["message"], details=error.get("details") or {}
-            ),
-        )
+        return _answered(row, json.loads(reply.data)["error"])
+
+
+def _key(row: OutboxRow) -> str:
+    return row.ordering_key or f"#{row.id}"
+
+
+def _answered(row: OutboxRow, error: dict[str, Any]) -> Delivery:
+    """What the receiver's coded error means for `row`: retry, or never (dead letter)."""
+    code = error["code"]
+    gave_up = code == ErrorCode.INTERNAL and row.attempts + 1 >= MAX_INTERNAL_ATTEMPTS
+    return Delivery(
+        f"{code}: {error['message']}",
+        permanent=code not in TRANSIENT_CODES or gave_up,
+        refusal=ErrorBody(code=code, message=error["message"], details=error.get("details") or {}),
+    )
 
 
 def retry_delay(attempts: int) -> float:

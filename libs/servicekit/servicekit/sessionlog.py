@@ -34,6 +34,7 @@ from contracts.session_events import (
     CloseSession,
     GetEvents,
     HeartbeatReply,
+    ListedSession,
     ListEvents,
     ListSessions,
     OpenSession,
@@ -113,7 +114,7 @@ class SessionLogClient:
             OpenSession(project_id=project_id, opened_by=opened_by),
         )
 
-    async def sessions(self, project_id: str) -> list[SessionView]:
+    async def sessions(self, project_id: str) -> list[ListedSession]:
         """The project's sessions, newest first (as many as the log lists by default)."""
         reply = await self._call(catalog.SESSIONS_LIST, ListSessions(project_id=project_id))
         return reply.sessions

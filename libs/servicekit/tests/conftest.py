@@ -26,7 +26,8 @@ from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 KIT_SCHEMA = "kit_test"
 
 # Makes a stream capturing `<prefix>.>`; returns (stream name, subject prefix).
-# Keyword arguments: `prefix` (else a fresh one), `max_msg_size` (bytes, -1 = none).
+# Keyword arguments: `prefix` (else a fresh one), `max_msg_size` (bytes, -1 = none),
+# `allow_atomic` (takes atomic batches, as EVENTS does; default True).
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]
 MakePool = Callable[[], Awaitable[asyncpg.Pool]]
 # Runs a coroutine (a relay's or a consumer's `run()`) for the rest of the test.
@@ -98,7 +99,9 @@ async def make_stream(js: JetStreamContext) -> AsyncIterator[MakeStream]:
     """Make streams of this test only (`<prefix>.>`); they are deleted afterwards."""
     made: list[str] = []
 
-    async def make(prefix: str | None = None, max_msg_size: int = -1) -> tuple[str, str]:
+    async def make(
+        prefix: str | None = None, max_msg_size: int = -1, allow_atomic: bool = True
+    ) -> tuple[str, str]:
         token = uuid.uuid4().hex[:10]
         name, prefix = f"KIT_{token}", prefix or f"kit{token}"
         await js.add_stream(
@@ -107,6 +110,7 @@ async def make_stream(js: JetStreamContext) -> AsyncIterator[MakeStream]:
                 subjects=[f"{prefix}.>"],
                 storage=StorageType.MEMORY,
                 max_msg_size=max_msg_size,
+                allow_atomic=allow_atomic,
             )
         )
         made.append(name)

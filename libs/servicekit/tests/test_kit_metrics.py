@@ -110,6 +110,26 @@ def divider(name: str) -> Service:
     return svc
 
 
+@contextlib.asynccontextmanager
+async def serving(svc: Service, settings: ServiceSettings) -> AsyncIterator[str]:
+    """`svc` running for the block; yields the base URL of its metrics server."""
+    runtimes: list[Runtime] = []
+
+    async def run() -> None:
+        async with svc.open(settings) as rt:
+            runtimes.append(rt)
+            await svc.serve(rt)
+
+    task = asyncio.create_task(run())
+    try:
+        await wait_for(lambda: runtimes or (task.done() and task.result()), what="the runtime")
+        [rt] = runtimes
+        assert rt.metrics is not None
+        yield rt.metrics.url
+    finally:
+        await stop(task)
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def proxy(database_url: str) -> AsyncIterator[TcpProxy]:
     relay = TcpProxy(database_url)
@@ -125,20 +145,7 @@ async def test_a_service_serves_metrics_liveness_and_readiness_that_follows_post
     name = f"kitmetrics{uuid.uuid4().hex[:6]}"
     svc = divider(name)
     settings = ServiceSettings(NATS_URL=nats_url, DATABASE_URL=through(database_url, proxy))
-    runtimes: list[Runtime] = []
-
-    async def run() -> None:
-        async with svc.open(settings) as rt:
-            runtimes.append(rt)
-            await svc.serve(rt)
-
-    task = asyncio.create_task(run())
-    http = httpx.AsyncClient(timeout=5)
-    try:
-        await wait_for(lambda: runtimes or (task.done() and task.result()), what="the runtime")
-        [rt] = runtimes
-        assert rt.metrics is not None
-        base = rt.metrics.url
+    async with serving(svc, settings) as base, httpx.AsyncClient(timeout=5) as http:
 
         async def ready() -> bool:
             return (await http.get(f"{base}/readyz")).status_code == 200
@@ -185,9 +192,6 @@ async def test_a_service_serves_metrics_liveness_and_readiness_that_follows_post
         assert (await http.get(f"{base}/metrics")).status_code == 200  # sampling is bounded
         await proxy.start()
         await wait_for(ready, timeout=20, what="readiness once Postgres is back")
-    finally:
-        await http.aclose()
-        await stop(task)
 
 
 async def test_srv_stats_count_error_replies_and_the_handlers_time(
@@ -196,13 +200,7 @@ async def test_srv_stats_count_error_replies_and_the_handlers_time(
     name = f"kitstats{uuid.uuid4().hex[:6]}"
     svc = divider(name)
     settings = ServiceSettings(NATS_URL=nats_url, DATABASE_URL=database_url)
-
-    async def run() -> None:
-        async with svc.open(settings) as rt:
-            await svc.serve(rt)
-
-    task = asyncio.create_task(run())
-    try:
+    async with serving(svc, settings):
 
         async def answers() -> bool:
             try:
@@ -227,8 +225,6 @@ async def test_srv_stats_count_error_replies_and_the_handlers_time(
         # the handler's own time, not only the hand-off to its task
         [worked] = svc.handled  # type: ignore[attr-defined]
         assert endpoint["processing_time"] >= worked
-    finally:
-        await stop(task)
 
 
 async def test_readiness_follows_the_nats_connection(
@@ -238,33 +234,20 @@ async def test_readiness_follows_the_nats_connection(
     await relay.start()
     svc = divider(f"kitnats{uuid.uuid4().hex[:6]}")
     settings = ServiceSettings(NATS_URL=through(nats_url, relay), DATABASE_URL=database_url)
-    runtimes: list[Runtime] = []
-
-    async def run() -> None:
-        async with svc.open(settings) as rt:
-            runtimes.append(rt)
-            await svc.serve(rt)
-
-    task = asyncio.create_task(run())
-    http = httpx.AsyncClient(timeout=5)
     try:
-        await wait_for(lambda: runtimes or (task.done() and task.result()), what="the runtime")
-        assert runtimes[0].metrics is not None
-        base = runtimes[0].metrics.url
+        async with serving(svc, settings) as base, httpx.AsyncClient(timeout=5) as http:
 
-        async def readiness() -> httpx.Response:
-            return await http.get(f"{base}/readyz")
+            async def readiness() -> httpx.Response:
+                return await http.get(f"{base}/readyz")
 
-        await wait_for(lambda: _status(readiness(), 200), what="readiness")
-        await relay.cut()
-        unready = await wait_for(lambda: _status(readiness(), 503), what="unready without NATS")
-        assert "nats FAIL" in unready.text and "postgres ok" in unready.text
-        assert (await http.get(f"{base}/livez")).status_code == 200  # alive all along
-        await relay.start()
-        await wait_for(lambda: _status(readiness(), 200), timeout=20, what="ready again")
+            await wait_for(lambda: _status(readiness(), 200), what="readiness")
+            await relay.cut()
+            unready = await wait_for(lambda: _status(readiness(), 503), what="unready without NATS")
+            assert "nats FAIL" in unready.text and "postgres ok" in unready.text
+            assert (await http.get(f"{base}/livez")).status_code == 200  # alive all along
+            await relay.start()
+            await wait_for(lambda: _status(readiness(), 200), timeout=20, what="ready again")
     finally:
-        await http.aclose()
-        await stop(task)
         with contextlib.suppress(Exception):
             await relay.cut()
 

@@ -100,7 +100,7 @@ async def test_a_row_enqueued_in_a_rolled_back_transaction_is_never_published(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
 ) -> None:
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     with pytest.raises(Rollback):
         async with pool.acquire() as conn, conn.transaction():
             await Outbox(conn).send(f"{prefix}.a", "rolled-back", b"{}")
@@ -117,7 +117,7 @@ async def test_a_committed_row_is_published_once_with_its_msg_id_then_deleted(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
 ) -> None:
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     await enqueue_committed(
         pool, f"{prefix}.created", "evt-1", b'{"n": 1}', headers={"Agentbus-Kind": "test"}
     )
@@ -139,7 +139,7 @@ async def test_a_republished_row_is_dropped_by_the_streams_duplicate_window(
 ) -> None:
     # A relay that crashed after publishing but before deleting publishes the row again.
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     for _ in range(2):
         await enqueue_committed(pool, f"{prefix}.created", "evt-1")
         assert await relay.drain_once() == 1
@@ -151,7 +151,7 @@ async def test_the_rows_of_a_key_are_published_in_the_order_they_were_written(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
 ) -> None:
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js), batch=7)  # several batches
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), batch=7)  # several batches
     ids = [f"evt-{i:02d}" for i in range(30)]
     async with pool.acquire() as conn, conn.transaction():
         for i, msg_id in enumerate(ids):
@@ -177,7 +177,7 @@ async def test_a_row_committed_after_a_newer_one_is_still_published(
     # A BIGSERIAL is assigned at insert, not at commit: a "last id seen" cursor would
     # skip the slow transaction's row for ever.
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     async with pool.acquire() as slow, slow.transaction():
         await Outbox(slow).send(f"{prefix}.a", "slow", b"{}")  # the smaller id, not committed yet
         await enqueue_committed(pool, f"{prefix}.a", "fast")
@@ -195,7 +195,7 @@ async def test_notify_wakes_the_relay_long_before_its_poll(
     background: Background,
 ) -> None:
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js), poll_seconds=120)
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=120)
     background(relay.run())
     await wait_for(lambda: listening(pool), what="the relay's LISTEN")
 
@@ -216,7 +216,7 @@ async def test_polling_delivers_rows_no_notify_announced(
     background: Background,
 ) -> None:
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js), poll_seconds=0.1)
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=0.1)
     background(relay.run())
 
     for n in (1, 2):
@@ -234,7 +234,7 @@ async def test_a_subject_no_stream_captures_keeps_the_row_with_backoff_until_one
     background: Background,
 ) -> None:
     prefix = f"late{uuid.uuid4().hex[:10]}"
-    relay = OutboxRelay(pool, JetStreamPublisher(js), poll_seconds=0.1)
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=0.1)
     await enqueue_committed(pool, f"{prefix}.a", "evt-1")
 
     # claimed, but JetStream had no responder: put off by retry_delay(1)
@@ -267,7 +267,7 @@ async def test_an_unanswered_publish_times_out_and_the_row_is_retried_later(
     monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", 0.2)
     subject = f"blackhole{uuid.uuid4().hex[:10]}.a"
     sink = await nc.subscribe(subject)
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     await enqueue_committed(pool, subject, "evt-1")
 
     low, high = await drain_postponing(relay, pool)
@@ -287,7 +287,7 @@ async def test_unanswered_publishes_of_a_batch_time_out_together(
     monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", timeout)
     subject = f"blackhole{uuid.uuid4().hex[:10]}.a"
     sink = await nc.subscribe(subject)
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     async with pool.acquire() as conn, conn.transaction():
         for n in range(10):
             await Outbox(conn).send(subject, f"evt-{n}", b"{}")
@@ -307,7 +307,7 @@ async def test_a_failed_row_does_not_hold_back_the_rest_of_its_batch(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, stream: tuple[str, str]
 ) -> None:
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     async with pool.acquire() as conn, conn.transaction():
         await Outbox(conn).send(f"{prefix}.a", "evt-1", b"{}")
         await Outbox(conn).send(f"nostream{uuid.uuid4().hex[:10]}.a", "evt-2", b"{}")
@@ -341,8 +341,8 @@ async def test_two_relays_on_one_outbox_publish_every_row_exactly_once(
         for msg_id in ids:
             await Outbox(conn).send(f"{prefix}.a", msg_id, b"{}")
     relays = [
-        OutboxRelay(pool, JetStreamPublisher(js), batch=10),
-        OutboxRelay(await make_pool(), JetStreamPublisher(js), batch=10),
+        OutboxRelay(pool, JetStreamPublisher(nc), batch=10),
+        OutboxRelay(await make_pool(), JetStreamPublisher(nc), batch=10),
     ]
 
     async def drain(relay: OutboxRelay) -> None:

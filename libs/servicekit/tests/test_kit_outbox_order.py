@@ -70,7 +70,7 @@ async def test_a_key_waits_behind_its_older_row_that_waits_for_a_retry(
     await pool.execute("UPDATE outbox SET attempts = 1, available_at = now() + interval '1 hour'")
     await enqueue_committed(pool, (f"{prefix}.a", "k-2", "K"), (f"{prefix}.a", "l-1", "L"))
 
-    assert await OutboxRelay(pool, JetStreamPublisher(js)).drain_once() == 1
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 1
 
     assert await published_ids(nc, stream) == ["l-1"]
     assert await waiting(pool) == [("k-1", 1), ("k-2", 0)]
@@ -105,7 +105,7 @@ async def test_a_key_another_relay_is_delivering_is_left_to_it(
     assert await asyncio.wait_for(slow.claimed, 10) == ["k-1"]
 
     # k-2 is not row-locked, but delivering it now could overtake k-1
-    other = OutboxRelay(await make_pool(), JetStreamPublisher(js))
+    other = OutboxRelay(await make_pool(), JetStreamPublisher(nc))
     assert await other.drain_once() == 1
     assert await published_ids(nc, stream) == ["l-1"]
 
@@ -132,37 +132,137 @@ async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
         await Outbox(conn).send(f"{prefix}.a", "k-1", b"x" * 2048, ordering_key="K")
         await Outbox(conn).send(f"{prefix}.a", "k-2", b"{}", ordering_key="K")
 
-    await OutboxRelay(pool, JetStreamPublisher(js)).drain_once()
+    await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once()
 
     assert await published_ids(nc, stream) == []
     assert [msg_id for msg_id, _ in await waiting(pool)] == ["k-1", "k-2"]
 
 
+async def enqueue_session(pool: asyncpg.Pool, prefix: str, key: str, count: int) -> list[str]:
+    """Commit `count` rows of one key, on subjects that vary as a session's event types do;
+    return their msg ids in the order written."""
+    ids = [f"{key}-{n:03d}" for n in range(count)]
+    await enqueue_committed(
+        pool, *((f"{prefix}.{key}.t{n % 3}", i, key) for n, i in enumerate(ids))
+    )
+    return ids
+
+
+async def test_a_keys_rows_land_in_order_as_one_atomic_batch(
+    pool: asyncpg.Pool, nc: Client, stream: tuple[str, str]
+) -> None:
+    # One busy session: its rows go in one round trip, not one acknowledged publish each.
+    _, prefix = stream
+    ids = {key: await enqueue_session(pool, prefix, key, 120) for key in ("K", "L")}
+
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 240
+
+    published = await stream_messages(nc, stream[0], f"{prefix}.>")
+    for key, written in ids.items():
+        mine = [m for m in published if m.subject.startswith(f"{prefix}.{key}.")]
+        assert [m.headers["Nats-Msg-Id"] for m in mine] == written
+        assert len({m.headers[outbox.BATCH_ID] for m in mine}) == 1
+    assert await waiting(pool) == []
+
+
+async def test_a_batch_that_fails_holds_the_whole_key_back_and_loses_nothing(
+    pool: asyncpg.Pool, nc: Client, make_stream: MakeStream
+) -> None:
+    # JetStream has no stream for the subjects (down, or not provisioned yet): the
+    # batch is refused whole, every row waits for its retry, then all land in order.
+    prefix = f"late{uuid.uuid4().hex[:8]}"
+    written = await enqueue_session(pool, prefix, "K", outbox.ATOMIC_BATCH_MIN)
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
+
+    assert await relay.drain_once() == len(written)
+    assert await waiting(pool) == [(i, 1) for i in written]
+
+    stream = await make_stream(prefix)
+    await pool.execute("UPDATE outbox SET available_at = now()")  # their retry is due
+    assert await relay.drain_once() == len(written)
+    assert await published_ids(nc, stream) == written
+    assert await waiting(pool) == []
+
+
+async def test_rows_an_earlier_attempt_stored_are_published_one_by_one_without_duplicates(
+    pool: asyncpg.Pool, nc: Client, js: JetStreamContext, stream: tuple[str, str]
+) -> None:
+    # An earlier attempt stored the first two (its ack was lost, the rows stayed): the
+    # stream refuses a batch holding them, so the key goes one publish at a time, each
+    # deduplicated by its Nats-Msg-Id.
+    _, prefix = stream
+    written = await enqueue_session(pool, prefix, "K", outbox.ATOMIC_BATCH_MIN)
+    for msg_id in written[:2]:
+        await js.publish(f"{prefix}.K.t0", b"{}", headers={"Nats-Msg-Id": msg_id})
+
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == len(written)
+
+    assert await published_ids(nc, stream) == written
+    assert await waiting(pool) == []
+
+
+async def test_a_stream_without_atomic_batches_gets_a_keys_rows_one_by_one_in_order(
+    pool: asyncpg.Pool, nc: Client, make_stream: MakeStream
+) -> None:
+    stream = await make_stream(allow_atomic=False)
+    written = await enqueue_session(pool, stream[1], "K", outbox.ATOMIC_BATCH_MIN)
+
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == len(written)
+
+    assert await published_ids(nc, stream) == written
+    assert await waiting(pool) == []
+
+
 @dataclass
 class FakeLog:
-    """Answers `cmd.events.append` as session_events would, refusing what it is told to."""
+    """Answers `cmd.events.append` and `cmd.events.append_many` as session_events would,
+    refusing what it is told to (and, in a request of many, holding a session's later
+    events back behind one refused `unavailable`, as the log does)."""
 
     appended: list[str] = field(default_factory=list)
     refuse: dict[str, str] = field(default_factory=dict)  # idempotency key -> error code
+    requests: list[str] = field(default_factory=list)  # the subject of each request
+
+    def outcome(self, data: dict[str, Any], failed: set[str]) -> dict[str, Any]:
+        event = AppendEvent.model_validate(data)
+        assert event.idempotency_key is not None
+        code = self.refuse.get(event.idempotency_key)
+        if str(event.session_id) in failed:
+            code = "unavailable"
+        if code is not None:
+            if code in ("unavailable", "internal"):
+                failed.add(str(event.session_id))
+            return {"error": {"code": code, "message": f"refused {event.idempotency_key}"}}
+        self.appended.append(event.idempotency_key)
+        return AppendedReply(event_id=uuid.uuid4(), seq=len(self.appended)).model_dump(mode="json")
 
     async def answer(self, msg: Msg) -> None:
-        event = AppendEvent.model_validate_json(msg.data)
-        assert event.idempotency_key is not None
-        if event.idempotency_key in self.refuse:
-            code = self.refuse[event.idempotency_key]
-            await msg.respond(error_reply(code, f"refused {event.idempotency_key}"))
+        self.requests.append(msg.subject)
+        try:
+            json.loads(msg.data)
+        except ValueError:
+            await msg.respond(error_reply(ErrorCode.MALFORMED_JSON, "request is not JSON"))
             return
-        self.appended.append(event.idempotency_key)
-        reply = AppendedReply(event_id=uuid.uuid4(), seq=len(self.appended))
-        await msg.respond(reply.model_dump_json().encode())
+        if msg.subject == subjects.EVENTS_APPEND_MANY:
+            failed: set[str] = set()
+            events = json.loads(msg.data)["events"]
+            results = [self.outcome(e, failed) for e in events]
+            await msg.respond(json.dumps({"results": results}).encode())
+            return
+        outcome = self.outcome(json.loads(msg.data), set())
+        await msg.respond(json.dumps(outcome).encode())
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def fake_log(nc: Client) -> AsyncIterator[FakeLog]:
     log = FakeLog()
-    sub = await nc.subscribe(subjects.EVENTS_APPEND, cb=log.answer)
+    subs = [
+        await nc.subscribe(subjects.EVENTS_APPEND, cb=log.answer),
+        await nc.subscribe(subjects.EVENTS_APPEND_MANY, cb=log.answer),
+    ]
     yield log
-    await sub.unsubscribe()
+    for sub in subs:
+        await sub.unsubscribe()
 
 
 async def enqueue_appends(pool: asyncpg.Pool, *events: tuple[uuid.UUID, str]) -> None:
@@ -180,17 +280,72 @@ async def enqueue_appends(pool: asyncpg.Pool, *events: tuple[uuid.UUID, str]) ->
             )
 
 
-async def test_the_log_appender_appends_a_sessions_events_in_order(
-    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+@pytest.mark.parametrize(
+    ("events", "requests"),
+    [(5, 1), (300, 2)],  # 300: more than one request holds (APPEND_MANY_MAX)
+    ids=["one-request", "cut-in-two"],
+)
+async def test_the_log_appender_appends_a_sessions_events_in_order_in_few_requests(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog, events: int, requests: int
 ) -> None:
     session = uuid.uuid4()
-    keys = [f"e-{n}" for n in range(5)]
+    keys = [f"e-{n:03d}" for n in range(events)]
     await enqueue_appends(pool, *((session, k) for k in keys))
 
-    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 5
+    assert await OutboxRelay(pool, LogAppender(nc), batch=events).drain_once() == events
 
     assert fake_log.appended == keys
+    assert fake_log.requests == [subjects.EVENTS_APPEND_MANY] * requests
     assert await waiting(pool) == []
+
+
+async def test_a_session_held_back_in_one_request_sends_nothing_in_the_next(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    held, other = uuid.uuid4(), uuid.uuid4()
+    fake_log.refuse["h-000"] = "unavailable"
+    keys = [f"h-{n:03d}" for n in range(300)]
+    await enqueue_appends(pool, *((held, k) for k in keys), (other, "o-1"))
+
+    assert await OutboxRelay(pool, LogAppender(nc), batch=301).drain_once() == 301
+
+    assert fake_log.appended == ["o-1"]
+    assert len(fake_log.requests) == 2  # the second carries only the other session's
+    assert [key for key, _ in await waiting(pool)] == keys
+
+
+async def test_a_row_that_gets_the_whole_request_refused_is_found_and_dead_lettered_alone(
+    pool: asyncpg.Pool, nc: Client, fake_log: FakeLog
+) -> None:
+    # A row that is not even JSON makes the request of many malformed: the relay then
+    # sends one request per row, so only that row is refused, and its session goes on.
+    session = uuid.uuid4()
+    await enqueue_appends(pool, (session, "e-1"))
+    async with pool.acquire() as conn, conn.transaction():
+        await Outbox(conn).send(subjects.EVENTS_APPEND, "poison", b"{no", ordering_key=str(session))
+    await enqueue_appends(pool, (session, "e-2"))
+
+    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 3
+
+    assert fake_log.appended == ["e-1", "e-2"]
+    assert await waiting(pool) == []
+    [dead] = await pool.fetch("SELECT msg_id, reason FROM dead_letters")
+    assert dead["msg_id"] == "poison" and dead["reason"].startswith("malformed_json")
+
+
+async def test_the_log_appender_sends_one_request_per_row_to_a_log_without_append_many(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    log = FakeLog()
+    sub = await nc.subscribe(subjects.EVENTS_APPEND, cb=log.answer)  # an older log
+    try:
+        session = uuid.uuid4()
+        await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
+        assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 2
+    finally:
+        await sub.unsubscribe()
+    assert log.appended == ["e-1", "e-2"]
+    assert log.requests == [subjects.EVENTS_APPEND] * 2
 
 
 async def test_a_transient_refusal_holds_back_its_session_only(
@@ -261,6 +416,11 @@ async def test_an_internal_error_is_retried_a_bounded_number_of_times_then_dead_
         " ELSE attempts END",
         outbox.MAX_INTERNAL_ATTEMPTS - 1,
     )
+    await relay.drain_once()
+    # The log held e-2 back behind e-1 in that request (it cannot know e-1 was given up):
+    # e-2 goes at its retry.
+    assert fake_log.appended == []
+    await pool.execute("UPDATE outbox SET available_at = now()")
     await relay.drain_once()
 
     assert fake_log.appended == ["e-2"]
@@ -344,7 +504,7 @@ async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_b
             # whatever lock the relay takes for the key) ...
             assert len(await holder.fetch(outbox.CLAIM, 10)) == 1
             # ... and svc_b's relay still claims and delivers its own row of S at once.
-            assert await OutboxRelay(pools["svc_b"], JetStreamPublisher(js)).drain_once() == 1
+            assert await OutboxRelay(pools["svc_b"], JetStreamPublisher(nc)).drain_once() == 1
         assert await published_ids(nc, stream) == ["svc_b-1"]
     finally:
         for p in pools.values():
@@ -391,7 +551,7 @@ async def test_many_rows_go_in_one_statement_in_the_order_given(
     stored = await pool.fetch("SELECT msg_id, headers FROM outbox ORDER BY id")
     assert [r["msg_id"] for r in stored] == [r.msg_id for r in rows]
     assert [r["headers"] for r in stored] == [dict(r.headers or {}) for r in rows]
-    assert await OutboxRelay(pool, JetStreamPublisher(js)).drain_once() == len(rows)
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == len(rows)
     published = await stream_messages(nc, stream[0], f"{prefix}.>")
     for key in ("S1", "S2"):
         ids = [m.headers["Nats-Msg-Id"] for m in published if m.subject.endswith(key)]
@@ -405,7 +565,7 @@ async def test_deliver_now_delivers_one_keys_rows_in_order_and_leaves_the_rest(
     await enqueue_committed(
         pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.a", "l-1", "L"), (f"{prefix}.a", "k-2", "K")
     )
-    relay = OutboxRelay(pool, JetStreamPublisher(js))
+    relay = OutboxRelay(pool, JetStreamPublisher(nc))
     assert await relay.deliver_now("K", timeout=10)
     assert await published_ids(nc, stream) == ["k-1", "k-2"]
     assert await waiting(pool) == [("l-1", 0)]
@@ -425,7 +585,7 @@ async def test_deliver_now_waits_for_another_relay_delivering_the_key(
     assert await asyncio.wait_for(slow.claimed, 10) == ["k-1"]
 
     now = asyncio.create_task(
-        OutboxRelay(await make_pool(), JetStreamPublisher(js)).deliver_now("K", 30)
+        OutboxRelay(await make_pool(), JetStreamPublisher(nc)).deliver_now("K", 30)
     )
     # It cannot claim k-1 (held): it answers True only once the other relay deleted it.
     slow.release.set()
@@ -439,6 +599,6 @@ async def test_deliver_now_gives_up_after_its_timeout_and_leaves_the_row_to_the_
 ) -> None:
     prefix = f"none{uuid.uuid4().hex[:8]}"  # no stream captures it: every publish fails
     await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
-    assert not await OutboxRelay(pool, JetStreamPublisher(js)).deliver_now("K", timeout=1)
+    assert not await OutboxRelay(pool, JetStreamPublisher(nc)).deliver_now("K", timeout=1)
     [(msg_id, attempts)] = await waiting(pool)
     assert msg_id == "k-1" and attempts >= 1

@@ -158,7 +158,7 @@ async def test_an_outbox_message_carries_the_trace_of_the_transaction_that_wrote
         await Outbox(conn).send(f"{prefix}.a", "untraced", b"{}")
 
     # published later, by a relay outside any span: the context travelled in the row
-    await OutboxRelay(pool, JetStreamPublisher(js)).drain_once()
+    await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once()
 
     traced, untraced = await stream_messages(nc, name, f"{prefix}.>")
     assert traced.headers is not None and untraced.headers is not None

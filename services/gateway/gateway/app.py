@@ -9,6 +9,7 @@ the web client, the HTTP API and the WebSocket with uvicorn, inside the service.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ from opentelemetry.trace import Span
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Match, Mount, Route, WebSocketRoute
+from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from gateway.auth import load_secret
@@ -46,11 +48,30 @@ svc = Service(
 )
 
 
-def build_app(hub: Hub) -> Starlette:
-    """The ASGI application: API, WebSocket, and the web client's static files."""
+WS_PATH = "/ws"
 
-    async def ws(websocket: WebSocket) -> None:
-        await websocket_endpoint(hub, websocket)
+
+class _Sockets:
+    """`/ws` straight to its connection, every other request to Starlette.
+
+    A WebSocket's request lives as long as the connection, and with it every coroutine
+    of Starlette's middleware and router it passed through, suspended: ~5 KiB a
+    connection (tracemalloc), for routing done once. The endpoint needs none of them.
+    """
+
+    def __init__(self, hub: Hub, app: ASGIApp) -> None:
+        self._hub = hub
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == WS_PATH:
+            await websocket_endpoint(self._hub, WebSocket(scope, receive, send))
+        else:
+            await self._app(scope, receive, send)
+
+
+def build_app(hub: Hub) -> ASGIApp:
+    """The ASGI application: WebSocket, API, and the web client's static files."""
 
     async def healthz(_: Request) -> Response:
         return JSONResponse({"ok": True})
@@ -58,22 +79,22 @@ def build_app(hub: Hub) -> Starlette:
     app = Starlette(
         routes=[
             *routes(hub),
-            WebSocketRoute("/ws", ws),
             Route("/healthz", healthz),
             Mount("/", StaticFiles(directory=WEB, html=True), name="web"),
         ]
     )
+    served: ASGIApp = _Sockets(hub, app)
     if tracing_on():
         # Only when spans are recorded: the middleware costs time on every request even
         # unrecorded. A span per request and per WebSocket connection, none per message
         # sent or received (a token's frame must stay cheap).
-        app.add_middleware(
-            OpenTelemetryMiddleware,
+        served = OpenTelemetryMiddleware(
+            served,
             exclude_spans=["receive", "send"],
             default_span_details=_route_of(app),
             server_request_hook=_without_token,
         )
-    return app
+    return served
 
 
 def _route_of(app: Starlette) -> Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]:
@@ -81,6 +102,8 @@ def _route_of(app: Starlette) -> Callable[[dict[str, Any]], tuple[str, dict[str,
     path holds ids, which would make every span name unique."""
 
     def details(scope: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        if scope.get("type") == "websocket" and scope.get("path") == WS_PATH:
+            return WS_PATH, {"http.route": WS_PATH}
         for route in app.routes:
             if route.matches(scope)[0] is Match.FULL:
                 template = getattr(route, "path", "") or "/"
@@ -122,6 +145,11 @@ async def main(
                 log.info("gateway_listening", url=url)
                 if on_listening is not None:
                     on_listening(url)
+                # What is alive now lives as long as the process (modules, models, the
+                # app): out of the cyclic GC's reach, a full collection walks only what the
+                # connections made. bench/gateway.py at 500 clients: GC CPU 0.24-0.27 s →
+                # 0.11-0.17 s over the run, gateway CPU per token −8 % (3 runs each).
+                gc.freeze()
                 await svc.serve(rt)
         finally:
             await presence.stop()

@@ -1,10 +1,11 @@
 """One NATS subscription per followed session, shared by every connection that follows it.
 
 A message of a session (an event, a delta, a done) is decoded and encoded as the frame
-its clients get once, here, however many connections follow the session; each
-connection's `SessionFeed` then only decides whether it still needs that frame (its own
-`seq`, dedupe and outcome state) and queues the same text. The per-token cost of a
-session with many clients is one decode and one encode, not one of each per client.
+its clients get once, here, however many connections follow the session, down to the
+WebSocket frame's bytes (`gateway.wire`); each connection's `SessionFeed` then only
+decides whether it still needs that frame (its own `seq`, dedupe and outcome state) and
+queues the same bytes. The per-token cost of a session with many clients is one decode
+and one encode, not one of each per client.
 
 Messages of a session reach its feeds in the order NATS delivered them: one
 subscription, one callback, feeds offered each message in turn.
@@ -30,6 +31,7 @@ from contracts.events import Event
 from contracts.gateway import DoneFrame, EventFrame
 from contracts.metering import TurnDelta
 from gateway.metrics import FOLLOWED_SESSIONS
+from gateway.wire import model_frame, text_frame
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
@@ -37,33 +39,33 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LiveDelta:
-    """A delta off the bus, with its `delta` frame's text."""
+    """A delta off the bus, with its prepared `delta` frame."""
 
     delta: TurnDelta
-    frame: str
+    frame: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class LiveDone:
-    """An `agent.done` off the bus, with its `done` frame's text."""
+    """An `agent.done` off the bus, with its prepared `done` frame."""
 
     done: AgentDone
-    frame: str
+    frame: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class LiveEvent:
-    """A persisted event off the bus, with its `event` frame's text."""
+    """A persisted event off the bus, with its prepared `event` frame."""
 
     event: Event
-    frame: str
+    frame: bytes
 
 
 Live = LiveDelta | LiveDone | LiveEvent
 
 
-def delta_frame(delta: TurnDelta) -> str:
-    """The text of a `DeltaFrame`, built as a plain dict and encoded by orjson: the
+def delta_frame(delta: TurnDelta) -> bytes:
+    """The prepared `DeltaFrame`, built as a plain dict and encoded by orjson: the
     per-token path, where a model round trip per delta, then `json.dumps`, were the
     gateway's largest costs after the socket (bench/gateway.py)."""
     frame = {
@@ -74,23 +76,25 @@ def delta_frame(delta: TurnDelta) -> str:
         "text": delta.text,
         "emitted_at": delta.emitted_at,
     }
-    return orjson.dumps(frame).decode()
+    return text_frame(orjson.dumps(frame))
 
 
-def done_frame(done: AgentDone) -> str:
-    """The text of the `DoneFrame` that tells clients a turn ended."""
-    return DoneFrame(
-        message_id=done.causation_id,
-        agent=done.agent,
-        turn_ids=done.turn_ids,
-        response_id=done.response_id,
-        error_code=done.error_code,
-    ).model_dump_json()
+def done_frame(done: AgentDone) -> bytes:
+    """The prepared `DoneFrame` that tells clients a turn ended."""
+    return model_frame(
+        DoneFrame(
+            message_id=done.causation_id,
+            agent=done.agent,
+            turn_ids=done.turn_ids,
+            response_id=done.response_id,
+            error_code=done.error_code,
+        )
+    )
 
 
-def event_frame(event: Event) -> str:
-    """The text of the `EventFrame` carrying a persisted event."""
-    return EventFrame(event=event).model_dump_json()
+def event_frame(event: Event) -> bytes:
+    """The prepared `EventFrame` carrying a persisted event."""
+    return model_frame(EventFrame(event=event))
 
 
 def decode(subject: str, data: bytes) -> Live:

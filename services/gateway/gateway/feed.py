@@ -45,8 +45,8 @@ from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
 
-# Queues one frame's text for the client: (frame type, text). Never waits on the socket.
-Send = Callable[[str, str], object]
+# Queues one prepared frame for the client: (frame type, frame). Never waits on the socket.
+Send = Callable[[str, bytes], object]
 # Events that end the turn their `causation_id` caused: no delta of it may follow them.
 OUTCOMES = frozenset(
     {
@@ -189,14 +189,14 @@ class SessionFeed:
             self._sent_deltas.pop(turn_id, None)
         self._closed_turns.update(done.turn_ids)
 
-    def _send_event(self, event: Event, frame: str) -> None:
+    def _send_event(self, event: Event, frame: bytes) -> None:
         if event.seq <= self.last_seq:
             return  # already sent (read from the log and received live)
         self.last_seq = event.seq
         self._note_outcome(event)
         self._send("event", frame)
 
-    def _send_delta(self, delta: TurnDelta, frame: str) -> None:
+    def _send_delta(self, delta: TurnDelta, frame: bytes) -> None:
         if delta.turn_id in self._closed_turns:
             return
         if delta.causation_id is not None and delta.causation_id in self._answered:

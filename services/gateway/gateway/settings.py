@@ -27,11 +27,6 @@ class GatewaySettings(ServiceSettings):
     # (a stalled tab, a dead network) is disconnected with 1013 and resumes with
     # `after_seq` when it comes back, rather than making the gateway hold its backlog.
     max_queued_frames: int = 2000
-    # permessage-deflate on the WebSocket. Off: it compressed every frame once per
-    # connection (the gateway's largest cost after the socket write, bench/gateway.py)
-    # and kept ~30 KiB of zlib state per connection, to save a few dozen bytes of a
-    # ~150-byte delta frame.
-    ws_compression: bool = False
     # Frames a connection may send: `rate_burst` at once, refilled at `rate_per_second`.
     rate_per_second: float = 20.0
     rate_burst: int = 40

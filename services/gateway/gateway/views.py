@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from contracts.gateway import SessionsReply, SessionSummary
-from contracts.session_events import SessionView
+from contracts.session_events import ListedSession
 
 
-def sessions_of(sessions: list[SessionView]) -> SessionsReply:
+def sessions_of(sessions: list[ListedSession]) -> SessionsReply:
     """The log's sessions, as the sessions page lists them (newest first, as given)."""
     return SessionsReply(
         sessions=[
@@ -17,6 +17,8 @@ def sessions_of(sessions: list[SessionView]) -> SessionsReply:
                 status=s.status,
                 closed_at=s.closed_at,
                 reason=s.termination_reason,
+                title=s.title,
+                last_event_at=s.last_event_at,
             )
             for s in sessions
         ]

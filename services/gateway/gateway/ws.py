@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from gateway.metrics import (
 from gateway.presence import Presence
 from gateway.ratelimit import TokenBucket
 from gateway.settings import GatewaySettings
+from gateway.wire import EXTENSION, FrameWriter, model_frame
 from servicekit.logs import get_logger
 from servicekit.patience import is_unavailable
 from servicekit.sessionlog import SessionLogClient
@@ -68,14 +68,17 @@ class Hub:
 class Connection:
     """A client's connection: at most one joined session at a time."""
 
-    def __init__(self, hub: Hub, ws: WebSocket, principal: Principal) -> None:
+    def __init__(self, hub: Hub, ws: WebSocket, principal: Principal, writer: FrameWriter) -> None:
         self._hub = hub
         self._ws = ws
         self._principal = principal
-        # Frames are written by one task, in order; senders never wait on the socket.
-        # The writer wakes once per loop tick and writes every frame queued by then.
-        self._outgoing: deque[str] = deque()
-        self._queued = asyncio.Event()
+        # Frames go out in order, once per loop tick, all of a tick's frames in one write;
+        # senders never wait on the socket. While the transport is over its high-water
+        # mark they wait here, and the writer calls back once it drained.
+        self._writer = writer
+        self._outgoing: list[bytes] = []
+        self._flush_scheduled = False
+        writer.on_writable = self._flush
         self._closing = False
         self._too_slow: asyncio.Task[None] | None = None
         self._bucket = TokenBucket(hub.settings.rate_per_second, hub.settings.rate_burst)
@@ -84,9 +87,9 @@ class Connection:
         # The session this connection keeps alive (only an open one is).
         self._present: uuid.UUID | None = None
 
-    def send(self, kind: str, text: str) -> bool:
-        """Queue a frame's text for the client (False: dropped); disconnect a client that
-        stopped reading.
+    def send(self, kind: str, frame: bytes) -> bool:
+        """Queue a prepared frame for the client (False: dropped); disconnect a client
+        that stopped reading.
 
         Never waits: a session's messages are offered to all its connections in one go.
         """
@@ -99,28 +102,29 @@ class Connection:
             # A task of its own: the close may wait on the very socket that is stuck.
             self._too_slow = asyncio.create_task(self._ws.close(CLOSE_TOO_SLOW))
             return False
-        self._outgoing.append(text)
-        self._queued.set()
+        self._outgoing.append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
         frame_sent(kind)
         return True
 
     def _answer(self, frame: AckFrame | ErrorFrame) -> None:
-        if self.send(frame.type, frame.model_dump_json()) and isinstance(frame, ErrorFrame):
+        if self.send(frame.type, model_frame(frame)) and isinstance(frame, ErrorFrame):
             WS_ERROR_FRAMES.labels(frame.code).inc()
 
-    async def _write(self) -> None:
+    def _flush(self) -> None:
+        """Write every queued frame in one go, unless the client's transport is full (the
+        writer calls this again once it drained)."""
+        self._flush_scheduled = False
         outgoing = self._outgoing
-        try:
-            while True:
-                await self._queued.wait()
-                self._queued.clear()
-                while outgoing:
-                    await self._ws.send_text(outgoing.popleft())
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            return  # the client is gone: the reader sees the disconnect and cleans up
+        if not outgoing or self._closing or not self._writer.ready():
+            return
+        self._outgoing = []
+        # A client that is gone writes nothing: the reader sees the disconnect, cleans up.
+        self._writer.write_frames(outgoing[0] if len(outgoing) == 1 else b"".join(outgoing))
 
     async def serve(self) -> None:
-        writer = asyncio.create_task(self._write())
         WS_CONNECTIONS.inc()
         try:
             while True:
@@ -136,7 +140,8 @@ class Connection:
             return
         finally:
             WS_CONNECTIONS.dec()
-            writer.cancel()
+            self._closing = True
+            self._writer.on_writable = None
             await self._leave()
 
     async def _frame(self, raw: str) -> None:
@@ -241,6 +246,7 @@ class Connection:
 async def websocket_endpoint(hub: Hub, ws: WebSocket) -> None:
     """`/ws?token=…`: browsers cannot set headers on a WebSocket, so the token is a query."""
     await ws.accept()
+    writer: FrameWriter = ws.scope["extensions"][EXTENSION]["writer"]
     try:
         principal = verify(hub.secret, ws.query_params.get("token"))
     except DomainError as exc:
@@ -249,4 +255,4 @@ async def websocket_endpoint(hub: Hub, ws: WebSocket) -> None:
         WS_ERROR_FRAMES.labels(exc.code).inc()
         await ws.close(CLOSE_UNAUTHORIZED)
         return
-    await Connection(hub, ws, principal).serve()
+    await Connection(hub, ws, principal, writer).serve()

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
+from playwright.async_api import Browser, async_playwright
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -34,6 +35,8 @@ from servicekit.settings import ServiceSettings
 from servicekit.testing import running_service, wait_for
 from session_events.app import LogSettings
 from session_events.app import main as log_main
+
+from .browsing import ARGS, CHROMIUM, INSTALLED
 
 SECRET = "test-secret-" + "x" * 40
 
@@ -169,3 +172,13 @@ async def gateway(
             running_service(gateway_main(settings, on_listening=urls.append), nc, "gateway")
         )
         yield Gateway(urls[0], f"p-{uuid.uuid4().hex[:8]}")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def browser() -> AsyncIterator[Browser]:
+    """Debian's headless Chromium (only the browser tests ask for it)."""
+    assert INSTALLED, "Debian's chromium is missing: .ci/run installs it"
+    async with async_playwright() as pw:
+        chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield chromium
+        await chromium.close()

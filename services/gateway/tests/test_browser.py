@@ -6,37 +6,30 @@ mid-answer, two messages typed back to back, a message typed while disconnected.
 
 from __future__ import annotations
 
-import os
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
-import pytest_asyncio
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page, WebSocketRoute, async_playwright
+from playwright.async_api import Browser, WebSocketRoute
 
-from contracts import subjects
 from contracts.events import EventType
-from contracts.metering import TurnDelta
-from contracts.session_events import AppendedReply, AppendEvent
-from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
-from servicekit.client import call
+from metering.providers.scripted import Script
 from servicekit.testing import wait_for
 
+from .browsing import (
+    append,
+    chat_texts,
+    criativo_page,
+    event_id,
+    open_session_page,
+    play_deltas,
+    responses,
+    say,
+    session_on_page,
+    shot,
+    slow_script,
+    streamed_words,
+    watch_errors,
+)
 from .conftest import Gateway
-
-CHROMIUM = "/usr/bin/chromium"  # installed by .ci/run (apt-get); never `playwright install`
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
-INSTALLED = Path(CHROMIUM).exists()
-ARTIFACTS = Path(os.environ.get("AGENTBUS_ARTIFACTS", ".artifacts")) / "browser"
 
 # Every length the streaming bubble had: the reply must arrive in several steps.
 WATCH_STREAMING = """
@@ -55,31 +48,13 @@ SLOW_ANSWER = " ".join(f"palavra{i}" for i in range(40))
 
 @pytest.fixture
 def script() -> Script:
-    slow = ScriptStep(contains="SLOW", text=SLOW_ANSWER, token_delay_ms=25)
-    return DEFAULT_SCRIPT.model_copy(
-        update={"token_delay_ms": 5.0, "steps": [slow, *DEFAULT_SCRIPT.steps]}
-    )
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def browser() -> AsyncIterator[Browser]:
-    assert INSTALLED, "Debian's chromium is missing: .ci/run installs it"
-    async with async_playwright() as pw:
-        chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        yield chromium
-        await chromium.close()
-
-
-async def shot(page: Page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    await page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    return slow_script(SLOW_ANSWER)
 
 
 @pytest.mark.timeout(180)
 async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browser) -> None:
     page = await browser.new_page()
-    problems: list[str] = []
-    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    problems = watch_errors(page)
     await page.goto(f"{gateway.url}/?token={gateway.token()}")
     await page.locator("#offline").wait_for()
     await page.click("#new-session")
@@ -150,58 +125,11 @@ new MutationObserver(() => {
 """
 
 
-async def open_session_page(gateway: Gateway, page: Page) -> None:
-    await page.goto(f"{gateway.url}/?token={gateway.token()}")
-    await page.click("#new-session")
-    await page.wait_for_url("**/session.html?id=*")
-    await page.locator('#connection[data-state="live"]').wait_for()
-    await page.click("#start-criativo")
-    await page.locator(f'#events li[data-type="{EventType.AGENT_ACTIVATED.value}"]').wait_for(
-        state="attached"
-    )
-
-
-async def say(page: Page, text: str) -> None:
-    await page.fill("#text", text)
-    await page.press("#text", "Enter")
-
-
-async def streamed_words(page: Page, at_least: int) -> None:
-    await page.wait_for_function(
-        f"""() => {{
-          const live = document.querySelector('.msg.agent.streaming');
-          return live && live.textContent.split(' ').length >= {at_least};
-        }}"""
-    )
-
-
-async def responses(page: Page, n: int) -> None:
-    response = EventType.AGENT_RESPONSE.value
-    await (
-        page.locator(f'#events li[data-type="{response}"]')
-        .nth(n - 1)
-        .wait_for(state="attached", timeout=30_000)
-    )
-
-
-async def chat_texts(page: Page) -> list[tuple[str, str]]:
-    """(kind, text) of every bubble of the chat, top to bottom, as a reader sees it (an
-    answer is rendered markdown: its paragraphs read as the blank lines that made them)."""
-    got: list[list[str]] = await page.evaluate(
-        """[...document.querySelectorAll('#chat .msg')].map(
-             (n) => [n.classList.contains('user') ? 'user' : 'agent', n.innerText])"""
-    )
-    return [(kind, text) for kind, text in got]
-
-
 @pytest.mark.timeout(120)
 async def test_an_answer_survives_a_dropped_socket_and_a_reload_whole_and_once(
     gateway: Gateway, browser: Browser
 ) -> None:
-    page = await browser.new_page()
-    problems: list[str] = []
-    page.on("pageerror", lambda exc: problems.append(str(exc)))
-    await open_session_page(gateway, page)
+    page, problems = await criativo_page(gateway, browser)
     await page.evaluate(RECORD_STREAMING)
 
     # 1. The socket drops in the middle of the answer; the page reconnects by itself.
@@ -237,8 +165,7 @@ async def test_an_answer_survives_a_dropped_socket_and_a_reload_whole_and_once(
 async def test_two_messages_typed_back_to_back_are_each_answered_once_in_order(
     gateway: Gateway, browser: Browser
 ) -> None:
-    page = await browser.new_page()
-    await open_session_page(gateway, page)
+    page, _ = await criativo_page(gateway, browser)
     await say(page, "primeiro pedido: entregas na segunda")
     await say(page, "segundo pedido: pagamentos na sexta")
     await responses(page, 2)
@@ -288,49 +215,6 @@ async def test_a_message_typed_while_disconnected_is_sent_on_reconnect(
 # --- a turn played by the test itself: its deltas on the bus, its outcome in the log ----
 
 
-async def session_on_page(gateway: Gateway, page: Page) -> str:
-    """A session without any agent started, open in the page; its id."""
-    await page.goto(f"{gateway.url}/?token={gateway.token()}")
-    await page.click("#new-session")
-    await page.wait_for_url("**/session.html?id=*")
-    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
-    return page.url.split("id=")[1]
-
-
-async def event_id(page: Page, event_type: str) -> str:
-    item = page.locator(f'#events li[data-type="{event_type}"]').first
-    await item.wait_for(state="attached")
-    return ((await item.get_attribute("id")) or "").removeprefix("event-")
-
-
-async def play_deltas(
-    nc: Client, gateway: Gateway, session: str, cause: str, turn: str, words: list[str]
-) -> None:
-    js = nc.jetstream()
-    for seq, word in enumerate(words, start=1):
-        delta = TurnDelta(turn_id=turn, seq=seq, text=word, emitted_at=0.0, causation_id=cause)
-        await js.publish(
-            subjects.delta_subject(gateway.project, session), delta.model_dump_json().encode()
-        )
-
-
-async def append(
-    nc: Client, session: str, kind: str, payload: dict[str, object], cause: str
-) -> None:
-    await call(
-        nc,
-        subjects.EVENTS_APPEND,
-        AppendEvent(
-            session_id=session,
-            type=kind,
-            actor="agent:criativo",
-            payload=payload,
-            causation_id=cause,
-        ),
-        AppendedReply,
-    )
-
-
 @pytest.mark.timeout(60)
 async def test_the_brief_is_shown_being_written_then_as_its_card(
     gateway: Gateway, browser: Browser, nc: Client
@@ -358,8 +242,7 @@ async def test_the_brief_is_shown_being_written_then_as_its_card(
 async def test_stop_in_the_browser_ends_the_answer_where_it_was(
     gateway: Gateway, browser: Browser
 ) -> None:
-    page = await browser.new_page()
-    await open_session_page(gateway, page)
+    page, _ = await criativo_page(gateway, browser)
     assert await page.locator("#stop").is_hidden()  # nothing streams yet
     await say(page, "SLOW")
     await streamed_words(page, 5)

@@ -6,35 +6,32 @@ injected into each page) finding no serious or critical violation on any page.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page, Request
 
 from contracts import subjects
 from contracts.events import EventType
 from contracts.session_events import AppendedReply, AppendEvent
-from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
+from metering.providers.scripted import Script
 from servicekit.client import call
 from servicekit.testing import wait_for
 
-from .conftest import Gateway
-from .test_browser import (
-    ARGS,
-    CHROMIUM,
-    INSTALLED,
+from .browsing import (
     append,
+    criativo_page,
     event_id,
-    open_session_page,
     responses,
     say,
     session_on_page,
     shot,
+    slow_script,
+    watch_errors,
 )
+from .conftest import Gateway
 
 AXE = Path(__file__).parent / "vendor" / "axe.min.js"
 
@@ -53,21 +50,9 @@ MARKDOWN_ANSWER = (
 )
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def browser() -> AsyncIterator[Browser]:
-    assert INSTALLED, "Debian's chromium is missing: .ci/run installs it"
-    async with async_playwright() as pw:
-        chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        yield chromium
-        await chromium.close()
-
-
 @pytest.fixture
 def script() -> Script:
-    slow = ScriptStep(contains="SLOW", text=SLOW_ANSWER, token_delay_ms=25)
-    return DEFAULT_SCRIPT.model_copy(
-        update={"token_delay_ms": 5.0, "steps": [slow, *DEFAULT_SCRIPT.steps]}
-    )
+    return slow_script(SLOW_ANSWER)
 
 
 async def axe_problems(page: Page) -> list[str]:
@@ -84,12 +69,6 @@ async def axe_problems(page: Page) -> list[str]:
         }"""
     )
     return [f"{v['impact']} {v['id']}: {v['nodes']}" for v in found]
-
-
-def watch_errors(page: Page) -> list[str]:
-    problems: list[str] = []
-    page.on("pageerror", lambda exc: problems.append(str(exc)))
-    return problems
 
 
 @pytest.mark.timeout(90)
@@ -138,9 +117,7 @@ async def test_markdown_renders_and_a_hostile_message_and_answer_stay_inert(
 async def test_the_writing_indicator_enter_and_shift_enter(
     gateway: Gateway, browser: Browser
 ) -> None:
-    page = await browser.new_page()
-    problems = watch_errors(page)
-    await open_session_page(gateway, page)
+    page, problems = await criativo_page(gateway, browser)
     writing = page.locator("#writing")
     assert await writing.is_hidden()
     await page.fill("#text", "first line")
@@ -251,9 +228,7 @@ async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
     gateway: Gateway, browser: Browser
 ) -> None:
     """One whole session, then every page checked by axe, light and dark, desk and phone."""
-    page = await browser.new_page()
-    problems = watch_errors(page)
-    await open_session_page(gateway, page)
+    page, problems = await criativo_page(gateway, browser)
     first = "A recipes app for the family, with a shopping list"
     await say(page, first)
     await responses(page, 1)
@@ -279,11 +254,22 @@ async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
         state="attached"
     )
 
-    # The session list: its title (the first message), its status, its last activity.
+    # The session list: its title (the first message), its status, its last activity,
+    # all from the list's one request, none per session.
+    api_calls: list[str] = []
+
+    def called(request: Request) -> None:
+        if "/api/" in request.url:
+            api_calls.append(request.url)
+
+    page.on("request", called)
     await page.goto(f"{gateway.url}/")
     item = page.locator(f'#sessions li[data-id="{session}"]')
     await item.wait_for()
     await page.locator("#sessions[data-loaded]").wait_for(state="attached")
+    project_api = f"{gateway.url}/api/projects/{gateway.project}"
+    page.remove_listener("request", called)
+    assert api_calls == [project_api, f"{project_api}/sessions"]
     assert await item.locator(".title").text_content() == first
     assert await item.locator(".status").text_content() == "closed"
     assert "last activity" in (await item.text_content() or "")

@@ -29,7 +29,7 @@ from contracts.handoff import (
 from domain.errors import DomainError
 from domain.handoff import catalogue_agent, check_handoff_target
 from handoff import lifecycle
-from handoff.directory import SessionDirectory
+from handoff.directory import OPEN_FOR_SECONDS, SessionDirectory
 from handoff.repository import HandoffRepository
 from servicekit.consumer import ConsumerSpec
 from servicekit.outbox import OutboxRelay
@@ -55,7 +55,7 @@ async def offer(
     cmd: OfferHandoff, repo: HandoffRepository, sessions: SessionDirectory
 ) -> OfferReply:
     check_handoff_target(cmd.from_agent, cmd.to_agent)
-    await sessions.open_session(cmd.session_id, cmd.project_id)
+    await sessions.open_session(cmd.session_id, cmd.project_id, open_for=OPEN_FOR_SECONDS)
     if cmd.artifact_id is not None:
         await sessions.require_artifact(cmd.artifact_id, cmd.project_id)
     async with repo.transaction() as tx:
@@ -68,7 +68,7 @@ async def offer_many(
 ) -> OfferManyReply:
     for target in cmd.targets:
         check_handoff_target(cmd.from_agent, target.to_agent)
-    await sessions.open_session(cmd.session_id, cmd.project_id)
+    await sessions.open_session(cmd.session_id, cmd.project_id, open_for=OPEN_FOR_SECONDS)
     for artifact_id in {t.artifact_id for t in cmd.targets if t.artifact_id is not None}:
         await sessions.require_artifact(artifact_id, cmd.project_id)
     async with repo.transaction() as tx:

@@ -23,7 +23,7 @@ async def main(settings: LogSettings | None = None) -> None:
     settings = settings or LogSettings()
     async with svc.open(settings) as rt:
         repo = LogRepository(rt.pool)
-        rt.relay(JetStreamPublisher(rt.js))
+        rt.relay(JetStreamPublisher(rt.nc))
         rt.background(
             run_reaper(repo, settings.heartbeat_timeout_seconds, settings.reaper_interval_seconds),
             "reaper",

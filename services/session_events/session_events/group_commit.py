@@ -13,6 +13,11 @@ so replicas batching appends to the same session still hand out gap-free seqs. E
 append is answered only after its batch committed; a batch that fails as a whole is
 rolled back (nothing half-written), and when a statement failed, each of its appends is
 tried again alone, so only the one Postgres cannot keep fails.
+
+Appends sent together (`append_chain`, `cmd.events.append_many`) keep their order: each
+waits behind the one before it of its session, and when that one failed to be written (an
+exception, not a refusal) it is not written either but answered `unavailable`, so a
+session's events never go in with a gap a retry would fill out of order.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from uuid import UUID
 
 import asyncpg
 
+from contracts.common import ErrorCode
 from contracts.events import Event, EventType
 from contracts.session_events import AppendedReply
 from domain import log_rules
@@ -53,6 +59,9 @@ class Pending:
 
 
 Outcome = AppendedReply | DomainError
+# One waiting append: what it is, its answer, and the answer of the append it must follow
+# (the one before it of its session, in an `append_chain`).
+Waiting = tuple[Pending, "asyncio.Future[Outcome]", "asyncio.Future[Outcome] | None"]
 
 
 @dataclass
@@ -119,20 +128,41 @@ class GroupCommit:
     def __init__(self, repo: LogRepository, max_batch: int = MAX_BATCH) -> None:
         self._repo = repo
         self._max_batch = max_batch
-        self._waiting: list[tuple[Pending, asyncio.Future[Outcome]]] = []
+        self._waiting: list[Waiting] = []
         self._writer: asyncio.Task[None] | None = None
         self.batches = 0  # transactions committed or tried, for tests and benches
 
     async def append(self, pending: Pending) -> AppendedReply:
         """Append once the batch it joins committed; raise its refusal when refused."""
-        answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._waiting.append((pending, answer))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write_while_waiting())
+        [answer] = self._enqueue([pending], chained=False)
         outcome = await answer
         if isinstance(outcome, DomainError):
             raise outcome
         return outcome
+
+    async def append_chain(self, pendings: Sequence[Pending]) -> list[Outcome | Exception]:
+        """Append each in the order given, a session's behind its predecessor (see the
+        module's docstring); each one's reply, refusal or failure."""
+        answers = self._enqueue(pendings, chained=True)
+        outcomes: list[Outcome | Exception] = []
+        for answer in await asyncio.gather(*answers, return_exceptions=True):
+            if not isinstance(answer, (AppendedReply, Exception)):
+                raise answer  # cancelled
+            outcomes.append(answer)
+        return outcomes
+
+    def _enqueue(self, pendings: Sequence[Pending], chained: bool) -> list[asyncio.Future[Outcome]]:
+        loop = asyncio.get_running_loop()
+        last: dict[UUID, asyncio.Future[Outcome]] = {}
+        answers = []
+        for p in pendings:
+            answer: asyncio.Future[Outcome] = loop.create_future()
+            self._waiting.append((p, answer, last.get(p.session_id) if chained else None))
+            last[p.session_id] = answer
+            answers.append(answer)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_while_waiting())
+        return answers
 
     @staticmethod
     def pending(
@@ -142,9 +172,10 @@ class GroupCommit:
         payload: dict[str, Any],
         causation_id: UUID | None,
         idempotency_key: str | None,
+        trace: Mapping[str, str] | None = None,
     ) -> Pending:
-        """A `Pending` carrying the current request's trace context."""
-        trace = inject_headers()
+        """A `Pending` carrying `trace`, or else the current request's trace context."""
+        trace = inject_headers() if trace is None else trace
         return Pending(session_id, event_type, actor, payload, causation_id, idempotency_key, trace)
 
     async def _write_while_waiting(self) -> None:
@@ -153,9 +184,12 @@ class GroupCommit:
             del self._waiting[: self._max_batch]
             await self._commit(batch)
 
-    async def _commit(self, batch: list[tuple[Pending, asyncio.Future[Outcome]]]) -> None:
+    async def _commit(self, batch: list[Waiting]) -> None:
+        batch = [w for w in batch if not _held_back(w)]
+        if not batch:
+            return
         try:
-            outcomes = await self._transaction([p for p, _ in batch])
+            outcomes = await self._transaction([p for p, _, _ in batch])
         except _StatementFailed as failed:
             if len(batch) > 1:  # find the one Postgres refuses; the others go in
                 for one in batch:
@@ -165,7 +199,7 @@ class GroupCommit:
         except Exception as exc:  # the commit itself, or the connection: each caller hears
             _settle(batch, exc)
         else:
-            for (_, answer), outcome in zip(batch, outcomes, strict=True):
+            for (_, answer, _), outcome in zip(batch, outcomes, strict=True):
                 if not answer.done():
                     answer.set_result(outcome)
 
@@ -186,7 +220,25 @@ class GroupCommit:
         return decided.outcomes
 
 
-def _settle(batch: list[tuple[Pending, asyncio.Future[Outcome]]], exc: BaseException) -> None:
-    for _, answer in batch:
+def _settle(batch: list[Waiting], exc: BaseException) -> None:
+    for _, answer, _ in batch:
         if not answer.done():
             answer.set_exception(exc)
+
+
+def _held_back(waiting: Waiting) -> bool:
+    """Answer `unavailable` (and write nothing) when the append this one must follow failed
+    to be written; False when it may go (its predecessor went in, was refused, or is in
+    the same batch and shares its fate)."""
+    pending, answer, after = waiting
+    if after is None or not after.done() or (not after.cancelled() and after.exception() is None):
+        return False
+    answer.set_exception(
+        DomainError(
+            ErrorCode.UNAVAILABLE,
+            f"held back behind an earlier event of session {pending.session_id} that "
+            "could not be written; retry",
+            session_id=str(pending.session_id),
+        )
+    )
+    return True

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from contracts import subjects
-from contracts.common import ErrorCode
+from contracts.common import ErrorBody, ErrorCode
 from contracts.events import (
     EventType,
     SessionClosed,
@@ -13,6 +15,9 @@ from contracts.events import (
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
+    AppendMany,
+    AppendManyReply,
+    AppendOutcome,
     CloseSession,
     EventsReply,
     GetEvents,
@@ -30,8 +35,10 @@ from contracts.session_events import (
 )
 from domain import log_rules
 from domain.errors import DomainError
+from servicekit.endpoint import error_body
 from servicekit.service import Service
-from session_events.group_commit import GroupCommit
+from servicekit.telemetry import inject_headers
+from session_events.group_commit import GroupCommit, Pending
 from session_events.repository import LockedSession, LogRepository, LogTransaction
 
 SERVICE = "session_events"
@@ -80,20 +87,49 @@ async def open_session(cmd: OpenSession, repo: LogRepository) -> SessionOpenedRe
     return SessionOpenedReply(session_id=session.id, event_id=event.id)
 
 
-@svc.command(subjects.EVENTS_APPEND)
-async def append(cmd: AppendEvent, appender: GroupCommit) -> AppendedReply:
-    """Validate the event's shape here, then let it join the next batch (group_commit),
-    where the session's rules are applied and it is written."""
+def pending_append(cmd: AppendEvent, trace: Mapping[str, str] | None = None) -> Pending:
+    """The append, once its shape is valid (type, payload, size), ready for its batch
+    (group_commit), where the session's rules are applied and it is written; `trace`:
+    the request's trace context, when the caller already has it."""
     event_type = log_rules.parse_event_type(cmd.type)
     parsed = log_rules.validate_payload(event_type, cmd.payload)
     # Measured as stored: UTF-8 bytes of the normalised payload.
     log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
     payload = parsed.model_dump(mode="json")
-    return await appender.append(
-        GroupCommit.pending(
-            cmd.session_id, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key
-        )
+    return GroupCommit.pending(
+        cmd.session_id, event_type, cmd.actor, payload, cmd.causation_id, cmd.idempotency_key, trace
     )
+
+
+@svc.command(subjects.EVENTS_APPEND)
+async def append(cmd: AppendEvent, appender: GroupCommit) -> AppendedReply:
+    return await appender.append(pending_append(cmd))
+
+
+@svc.command(subjects.EVENTS_APPEND_MANY)
+async def append_many(cmd: AppendMany, appender: GroupCommit) -> AppendManyReply:
+    """`append` for each event, in order and in shared batches; each is checked and
+    answered on its own (an outbox relay sends its claim so, one request for many)."""
+    checked: list[Pending | ErrorBody] = []
+    trace = inject_headers()  # one request: one trace for all its events
+    for item in cmd.events:
+        try:
+            checked.append(pending_append(item, trace))
+        except DomainError as refused:
+            checked.append(error_body(refused, subjects.EVENTS_APPEND_MANY))
+    written = iter(await appender.append_chain([p for p in checked if isinstance(p, Pending)]))
+    return AppendManyReply(
+        results=[
+            AppendOutcome(error=c) if isinstance(c, ErrorBody) else _outcome(next(written))
+            for c in checked
+        ]
+    )
+
+
+def _outcome(written: AppendedReply | Exception) -> AppendOutcome:
+    if isinstance(written, AppendedReply):
+        return AppendOutcome(**written.model_dump())
+    return AppendOutcome(error=error_body(written, subjects.EVENTS_APPEND_MANY))
 
 
 @svc.command(subjects.EVENTS_GET)

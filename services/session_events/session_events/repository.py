@@ -13,7 +13,12 @@ import asyncpg
 
 from contracts import subjects
 from contracts.events import Event, EventType
-from contracts.session_events import SessionView
+from contracts.session_events import (
+    TITLE_MAX_CHARS,
+    TITLE_SEARCH_EVENTS,
+    ListedSession,
+    SessionView,
+)
 from domain.log_rules import CausationFacts, session_not_found
 from servicekit.db import Connection
 from servicekit.outbox import Outbox, Queued
@@ -239,15 +244,31 @@ class LogRepository:
         )
         return SessionView.model_validate(dict(row)) if row else None
 
-    async def sessions_of_project(self, project_id: str, limit: int) -> list[SessionView]:
-        """A project's sessions, newest first."""
+    async def sessions_of_project(self, project_id: str, limit: int) -> list[ListedSession]:
+        """A project's sessions, newest first, each with its title and latest event's time:
+        one query, two index reads per session (events' `(session_id, seq)` key)."""
         rows = await self._pool.fetch(
-            f"""SELECT {SESSION_COLUMNS} FROM sessions
-                 WHERE project_id = $1 ORDER BY opened_at DESC, id LIMIT $2""",
+            f"""SELECT {SESSION_COLUMNS},
+                       left(first_message.payload->>'text', $3) AS title,
+                       coalesce(latest.created_at, sessions.opened_at) AS last_event_at
+                  FROM sessions
+                  LEFT JOIN LATERAL (
+                       SELECT payload FROM events
+                        WHERE events.session_id = sessions.id AND events.seq <= $4
+                          AND events.type = 'chat.message'
+                        ORDER BY events.seq LIMIT 1) AS first_message ON true
+                  LEFT JOIN LATERAL (
+                       SELECT created_at FROM events
+                        WHERE events.session_id = sessions.id
+                          AND events.seq = sessions.last_seq) AS latest ON true
+                 WHERE sessions.project_id = $1
+                 ORDER BY sessions.opened_at DESC, sessions.id LIMIT $2""",
             project_id,
             limit,
+            TITLE_MAX_CHARS,
+            TITLE_SEARCH_EVENTS,
         )
-        return [SessionView.model_validate(dict(r)) for r in rows]
+        return [ListedSession.model_validate(dict(r)) for r in rows]
 
     async def events_by_id(self, event_ids: Sequence[UUID]) -> list[Event]:
         rows = await self._pool.fetch(

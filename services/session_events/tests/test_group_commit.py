@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,8 @@ from contracts.events import EventType
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
+    AppendMany,
+    AppendManyReply,
     OpenSession,
     SessionClosedReply,
     SessionOpenedReply,
@@ -241,3 +244,64 @@ async def test_replicas_batching_the_same_sessions_keep_seqs_gap_free(
     await asyncio.gather(*work)
     for s in sids:
         assert await seqs_of(pool, s) == list(range(1, 2 + 20 * replicas))
+
+
+async def test_a_chain_holds_its_session_back_behind_an_append_postgres_could_not_write(
+    open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    """Appends sent together (an outbox relay's) keep their session's order: after one
+    that failed to be written, the session's later ones are answered `unavailable` and
+    not written (a retry of the failed one would land after them); other sessions go on."""
+    sid, other = (await open_session()).session_id, (await open_session()).session_id
+    work = [chat(sid, "fine"), chat(sid, "bad\u0000"), chat(other, "other"), chat(sid, "after")]
+
+    outcomes = await appender.append_chain(work)
+
+    assert isinstance(outcomes[0], AppendedReply) and outcomes[0].seq == 2
+    assert isinstance(outcomes[1], asyncpg.PostgresError)
+    assert isinstance(outcomes[2], AppendedReply) and outcomes[2].seq == 2
+    assert isinstance(outcomes[3], DomainError) and outcomes[3].code == "unavailable"
+    assert await seqs_of(pool, sid) == [1, 2]
+    assert await seqs_of(pool, other) == [1, 2]
+
+
+async def test_append_many_answers_each_event_on_its_own_in_order(
+    nc: Client, open_session: Any, pool: asyncpg.Pool
+) -> None:
+    sid = (await open_session()).session_id
+    closed = (await open_session()).session_id
+    await call(nc, subjects.SESSIONS_CLOSE, SessionRef(session_id=closed), SessionClosedReply)
+
+    def event(session: uuid.UUID, **fields: Any) -> dict[str, Any]:
+        return {"session_id": str(session), "type": CHAT.value, "actor": "user:ana"} | fields
+
+    # Malformed (no actor): the request is refused whole, as any command's, and nothing
+    # of it is written.
+    malformed = [event(sid, payload={"text": "zero"}), event(sid, payload={}) | {"actor": None}]
+    body = json.dumps({"events": malformed}).encode()
+    refused = await nc.request(subjects.EVENTS_APPEND_MANY, body, timeout=5)
+    assert json.loads(refused.data)["error"]["code"] == "invalid_request"
+
+    request = AppendMany.model_validate(
+        {
+            "events": [
+                event(sid, payload={"text": "one"}, idempotency_key="k-1"),
+                event(sid, type="no.such_type", payload={}),  # refused by the rules
+                event(closed, payload={"text": "too late"}),  # refused: conversation is over
+                event(sid, payload={"text": "one"}, idempotency_key="k-1"),  # a repeat
+                event(sid, payload={"text": "two"}),
+            ]
+        }
+    )
+    reply = await call(nc, subjects.EVENTS_APPEND_MANY, request, AppendManyReply)
+
+    answers = [(r.seq, r.duplicate, r.error.code if r.error else None) for r in reply.results]
+    assert answers == [
+        (2, False, None),
+        (None, False, "unknown_event_type"),
+        (None, False, "session_closed"),
+        (2, True, None),
+        (3, False, None),
+    ]
+    assert await seqs_of(pool, sid) == [1, 2, 3]
+    assert await seqs_of(pool, closed) == [1, 2]

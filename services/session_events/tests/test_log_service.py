@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from contracts import streams, subjects
 from contracts.events import Event, EventType
 from contracts.session_events import (
+    TITLE_MAX_CHARS,
     AppendedReply,
     AppendEvent,
     CloseSession,
@@ -430,6 +431,7 @@ async def test_the_service_is_discoverable_through_nats_micro(nc: Client, log_se
         subjects.SESSIONS_HEARTBEAT,
         subjects.SESSIONS_GET,
         subjects.EVENTS_APPEND,
+        subjects.EVENTS_APPEND_MANY,
         subjects.EVENTS_GET,
         subjects.EVENTS_LIST,
         subjects.EVENTS_QUERY,
@@ -448,11 +450,23 @@ async def test_a_projects_sessions_are_listed_newest_first(nc: Client, open_sess
         SessionClosedReply,
     )
 
+    said = "Um app para padarias " + "x" * TITLE_MAX_CHARS
+    await append(nc, newer.session_id, "chat.message", payload={"text": said})
+    await append(nc, newer.session_id, "chat.message", payload={"text": "e entregas?"})
+
     reply = await call(nc, subjects.SESSIONS_LIST, ListSessions(project_id="listed"), SessionsReply)
     assert [(s.session_id, s.status, s.termination_reason) for s in reply.sessions] == [
         (newer.session_id, "open", None),
         (older.session_id, "closed_abnormally", "boom"),
     ]
+    # What the list shows comes in the one reply: the first message, cut, as the title,
+    # and the latest event's time as the last activity (none said: no title).
+    latest = [(await events_of(nc, s.session_id))[-1] for s in reply.sessions]
+    assert [(s.title, s.last_event_at) for s in reply.sessions] == [
+        (said[:TITLE_MAX_CHARS], latest[0].created_at),
+        (None, latest[1].created_at),
+    ]
+    assert latest[1].type == "session.closed_abnormally"
 
 
 async def test_values_postgres_cannot_keep_are_refused_naming_the_field(

@@ -1,0 +1,151 @@
+"""What the browser tests share: Debian's Chromium, a page opened on a new session, the
+steps a person takes there, and the turns a test plays itself."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nats.aio.client import Client
+from playwright.async_api import Browser, Page
+
+from contracts import subjects
+from contracts.events import EventType
+from contracts.metering import TurnDelta
+from contracts.session_events import AppendedReply, AppendEvent
+from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
+from servicekit.client import call
+
+if TYPE_CHECKING:  # conftest imports this module for its browser fixture
+    from .conftest import Gateway
+
+CHROMIUM = "/usr/bin/chromium"  # installed by .ci/run (apt-get); never `playwright install`
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+INSTALLED = Path(CHROMIUM).exists()
+ARTIFACTS = Path(os.environ.get("AGENTBUS_ARTIFACTS", ".artifacts")) / "browser"
+
+
+def slow_script(answer: str) -> Script:
+    """The offline script, fast, but a message containing SLOW is answered with `answer`,
+    a word every 25 ms: time enough to act in the middle of the answer."""
+    slow = ScriptStep(contains="SLOW", text=answer, token_delay_ms=25)
+    return DEFAULT_SCRIPT.model_copy(
+        update={"token_delay_ms": 5.0, "steps": [slow, *DEFAULT_SCRIPT.steps]}
+    )
+
+
+async def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def watch_errors(page: Page) -> list[str]:
+    """The page's uncaught errors, as they happen."""
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    return problems
+
+
+async def session_on_page(gateway: Gateway, page: Page) -> str:
+    """A session without any agent started, open in the page; its id."""
+    await page.goto(f"{gateway.url}/?token={gateway.token()}")
+    await page.click("#new-session")
+    await page.wait_for_url("**/session.html?id=*")
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    return page.url.split("id=")[1]
+
+
+async def open_session_page(gateway: Gateway, page: Page) -> None:
+    """A new session open in the page, with Criativo started."""
+    await session_on_page(gateway, page)
+    await page.click("#start-criativo")
+    await page.locator(f'#events li[data-type="{EventType.AGENT_ACTIVATED.value}"]').wait_for(
+        state="attached"
+    )
+
+
+async def criativo_page(gateway: Gateway, browser: Browser) -> tuple[Page, list[str]]:
+    """A new page on a new session with Criativo started, and the page's errors."""
+    page = await browser.new_page()
+    problems = watch_errors(page)
+    await open_session_page(gateway, page)
+    return page, problems
+
+
+async def say(page: Page, text: str) -> None:
+    await page.fill("#text", text)
+    await page.press("#text", "Enter")
+
+
+async def streamed_words(page: Page, at_least: int) -> None:
+    await page.wait_for_function(
+        f"""() => {{
+          const live = document.querySelector('.msg.agent.streaming');
+          return live && live.textContent.split(' ').length >= {at_least};
+        }}"""
+    )
+
+
+async def responses(page: Page, n: int) -> None:
+    response = EventType.AGENT_RESPONSE.value
+    await (
+        page.locator(f'#events li[data-type="{response}"]')
+        .nth(n - 1)
+        .wait_for(state="attached", timeout=30_000)
+    )
+
+
+async def chat_texts(page: Page) -> list[tuple[str, str]]:
+    """(kind, text) of every bubble of the chat, top to bottom, as a reader sees it (an
+    answer is rendered markdown: its paragraphs read as the blank lines that made them)."""
+    got: list[list[str]] = await page.evaluate(
+        """[...document.querySelectorAll('#chat .msg')].map(
+             (n) => [n.classList.contains('user') ? 'user' : 'agent', n.innerText])"""
+    )
+    return [(kind, text) for kind, text in got]
+
+
+async def event_id(page: Page, event_type: str) -> str:
+    item = page.locator(f'#events li[data-type="{event_type}"]').first
+    await item.wait_for(state="attached")
+    return ((await item.get_attribute("id")) or "").removeprefix("event-")
+
+
+# --- a turn played by the test itself: its deltas on the bus, its outcome in the log ----
+
+
+async def play_deltas(
+    nc: Client, gateway: Gateway, session: str, cause: str, turn: str, words: list[str]
+) -> None:
+    js = nc.jetstream()
+    for seq, word in enumerate(words, start=1):
+        delta = TurnDelta(turn_id=turn, seq=seq, text=word, emitted_at=0.0, causation_id=cause)
+        await js.publish(
+            subjects.delta_subject(gateway.project, session), delta.model_dump_json().encode()
+        )
+
+
+async def append(
+    nc: Client, session: str, kind: str, payload: dict[str, object], cause: str
+) -> None:
+    await call(
+        nc,
+        subjects.EVENTS_APPEND,
+        AppendEvent(
+            session_id=session,
+            type=kind,
+            actor="agent:criativo",
+            payload=payload,
+            causation_id=cause,
+        ),
+        AppendedReply,
+    )
