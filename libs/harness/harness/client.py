@@ -79,10 +79,14 @@ class MeteringClient:
         nc: Client,
         timeout: float = TURN_TIMEOUT_SECONDS,
         silence_seconds: float | None = None,
+        unheard_seconds: float | None = None,
     ) -> None:
+        """`unheard_seconds`: a stream no replica beat for at all that long after the
+        request is lost too (None: only the request's timeout bounds that wait)."""
         self._nc = nc
         self._timeout = timeout
         self._silence = silence_seconds
+        self._unheard = unheard_seconds
         # Turn ids seen going silent: still claimed by the dead replica in metering, so a
         # re-run (the same input retried after an outage) goes to the next retry id at
         # once instead of waiting on "in progress". Insertion-ordered, the oldest dropped.
@@ -121,13 +125,21 @@ class MeteringClient:
         waiting = asyncio.ensure_future(
             call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
         )
+        asked = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=every)
                 if done:
                     return waiting.result()
-                if last_heard is not None and time.monotonic() - last_heard > self._silence:
+                now = time.monotonic()
+                if last_heard is not None and now - last_heard > self._silence:
                     raise self._lose(StreamSilent(cmd.turn_id, self._silence))
+                # Never beaten for: a replica killed after taking the request and before
+                # its first beat (issue 13's CI chaos run: one person waited out the 600 s).
+                # A live but saturated replica may hold a request that long unread; its
+                # turn, if it runs, is billed and its answer unused.
+                if last_heard is None and self._unheard is not None and now - asked > self._unheard:
+                    raise self._lose(StreamSilent(cmd.turn_id, self._unheard))
         except TimeoutError:  # the request's own timeout, never beaten for
             raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
         finally:

@@ -74,6 +74,9 @@ class CriativoSettings(ServiceSettings):
     # its next retry id rather than waiting out the request's 600 s (harness.client). The
     # replica is asked to beat every quarter of it; a model that thinks long keeps it beating.
     stream_silence_seconds: float = 30.0
+    # A stream that no metering replica beat for at all this long after the request (its
+    # replica killed before the first beat) is tried again under its retry id too.
+    stream_unheard_seconds: float = 60.0
     # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
     session_budget_micros: int | None = 2_000_000
 
