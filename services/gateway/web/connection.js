@@ -33,6 +33,7 @@ export class Connection {
       this.onOpen();
     };
     ws.onmessage = (m) => {
+      if (this.ws !== ws) return; // dropped: the next join resumes after the page's last seq
       const frame = JSON.parse(m.data);
       if (frame.type === "ack" && frame.of === "join") {
         clearTimeout(joinTimer);
@@ -43,15 +44,21 @@ export class Connection {
     };
     ws.onclose = (c) => {
       clearTimeout(joinTimer);
-      if (this.ws !== ws) return; // an old socket closing late
-      this.onLost();
-      if (c.code === CLOSE_UNAUTHORIZED) { this.onState("refused"); return; }
-      const ceiling = Math.min(MAX_RETRY_MS, FIRST_RETRY_MS * 2 ** this.failures);
-      const wait = ceiling / 2 + Math.random() * (ceiling / 2);
-      this.failures += 1;
-      this.onState("reconnecting", Math.ceil(wait / 1000));
-      setTimeout(() => this.open(), wait);
+      this.lost(ws, c.code);
     };
+  }
+
+  // `ws` is gone: say so and try again later (unless the token was refused).
+  lost(ws, code) {
+    if (this.ws !== ws) return; // an old socket closing late, or already given up
+    this.ws = null;
+    this.onLost();
+    if (code === CLOSE_UNAUTHORIZED) { this.onState("refused"); return; }
+    const ceiling = Math.min(MAX_RETRY_MS, FIRST_RETRY_MS * 2 ** this.failures);
+    const wait = ceiling / 2 + Math.random() * (ceiling / 2);
+    this.failures += 1;
+    this.onState("reconnecting", Math.ceil(wait / 1000));
+    setTimeout(() => this.open(), wait);
   }
 
   // Whether a frame can go now; a caller with something that must not be lost queues it.
@@ -64,5 +71,12 @@ export class Connection {
   }
 
   // Drop the socket as a network would (tests, and a "reconnect now" for the person).
-  drop() { if (this.ws) this.ws.close(); }
+  // Given up at once: on a dead network the close handshake, and so `onclose`, can take
+  // a minute (the browser test's offline drop waited for it half the time).
+  drop() {
+    const ws = this.ws;
+    if (!ws) return;
+    ws.close();
+    this.lost(ws, 1006);
+  }
 }
