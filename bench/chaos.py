@@ -381,7 +381,11 @@ class Person:
         def closed() -> dict[str, Any] | None:
             return self.find(lambda e: e["type"] == "session.closed")
 
-        await self.act({"type": "close_session"}, closed)
+        try:
+            await self.act({"type": "close_session"}, closed)
+        except Refused as exc:
+            if exc.code != "session_closed":  # closed by this frame, sent before the loss
+                raise
         await self.wait_event(lambda e: e["type"] == "session.closed")
 
     async def _answered(self, pending: list[tuple[str, float]]) -> None:
