@@ -4,7 +4,7 @@ Agents always run inside the harness, and the harness never talks to an LLM
 provider directly: only the metering service does (ADR 0008 decision 2).
 """
 
-from harness.client import MeteringClient, StreamSilent
+from harness.client import MeteringClient, StreamSilent, TurnLost
 from harness.loop import LoopContext, LoopResult, LoopStatus, ToolLoop, TurnIds
 from harness.tools import Halt, PostToolHook, PreToolHook, Tool, ToolResult
 
@@ -21,4 +21,5 @@ __all__ = [
     "ToolLoop",
     "ToolResult",
     "TurnIds",
+    "TurnLost",
 ]

@@ -15,6 +15,13 @@ by the request timeout only. The client never reads the turn's deltas: a beat is
 on arrival, unparsed, a few per turn, not one per token. The lost id stays claimed in
 metering until its sweeper settles the hold, so the client remembers it: a re-run of
 the same input skips it rather than wait on "turn in progress".
+
+A whole-reply turn has no beat: no reply within `timeout` is its only sign that the
+replica is gone, and the call raises `TurnLost` (which `StreamSilent` is too), retried
+the same way; a caller that knows how long its replies take (the psychologist) gives a
+timeout shorter than the 600 s default (issue 13: a closing held that long by a turn
+whose metering replica was SIGKILLed left its session unanalysed at the chaos run's
+end). A stream's request that times out is lost the same way.
 """
 
 from __future__ import annotations
@@ -43,17 +50,25 @@ from servicekit.client import CommandFailed, call
 # whether or not we are still waiting, so waiting long costs nothing extra.
 TURN_TIMEOUT_SECONDS = 600.0
 STREAM_SILENT = "stream_silent"
+TURN_LOST = "turn_lost"
 LOST_REMEMBERED = 10_000
 
 
-class StreamSilent(CommandFailed):
+class TurnLost(CommandFailed):
+    """No reply and no sign of life: the metering replica running the turn is gone (its
+    id stays claimed there)."""
+
+    def __init__(self, turn_id: str, why: str, code: str = TURN_LOST) -> None:
+        super().__init__(code, f"turn {turn_id}: {why}")
+        self.turn_id = turn_id
+
+
+class StreamSilent(TurnLost):
     """A started stream went silent: the metering replica running it is gone."""
 
     def __init__(self, turn_id: str, seconds: float) -> None:
-        super().__init__(
-            STREAM_SILENT,
-            f"turn {turn_id}: no beat and no reply from metering for {seconds:.0f} s",
-        )
+        why = f"no beat and no reply from metering for {seconds:.0f} s"
+        super().__init__(turn_id, why, STREAM_SILENT)
 
 
 class MeteringClient:
@@ -64,18 +79,27 @@ class MeteringClient:
         nc: Client,
         timeout: float = TURN_TIMEOUT_SECONDS,
         silence_seconds: float | None = None,
+        unheard_seconds: float | None = None,
     ) -> None:
+        """`unheard_seconds`: a stream no replica beat for at all that long after the
+        request is lost too (None: only the request's timeout bounds that wait)."""
         self._nc = nc
         self._timeout = timeout
         self._silence = silence_seconds
+        self._unheard = unheard_seconds
         # Turn ids seen going silent: still claimed by the dead replica in metering, so a
         # re-run (the same input retried after an outage) goes to the next retry id at
         # once instead of waiting on "in progress". Insertion-ordered, the oldest dropped.
         self._lost: dict[str, None] = {}
 
     async def turn(self, cmd: LlmTurn) -> TurnReply:
-        """One whole-reply turn (`cmd.llm.turn`)."""
-        return await call(self._nc, subjects.LLM_TURN, cmd, TurnReply, timeout=self._timeout)
+        """One whole-reply turn (`cmd.llm.turn`); no reply within `timeout`: `TurnLost`."""
+        if cmd.turn_id in self._lost:
+            raise TurnLost(cmd.turn_id, "given up earlier (its metering replica died)")
+        try:
+            return await call(self._nc, subjects.LLM_TURN, cmd, TurnReply, timeout=self._timeout)
+        except TimeoutError:  # nats-py's request timeout is one
+            raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
 
     async def stream(self, cmd: LlmStream) -> TurnReply:
         """One streaming turn (`cmd.llm.stream`): deltas go to `cmd.delta_subject`; a turn
@@ -101,20 +125,38 @@ class MeteringClient:
         waiting = asyncio.ensure_future(
             call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
         )
+        asked = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=every)
                 if done:
                     return waiting.result()
-                if last_heard is not None and time.monotonic() - last_heard > self._silence:
-                    self._lost[cmd.turn_id] = None
-                    while len(self._lost) > LOST_REMEMBERED:
-                        del self._lost[next(iter(self._lost))]
-                    raise StreamSilent(cmd.turn_id, self._silence)
+                now = time.monotonic()
+                if last_heard is not None and now - last_heard > self._silence:
+                    raise self._lose(StreamSilent(cmd.turn_id, self._silence))
+                # Never beaten for: a replica killed after taking the request and before
+                # its first beat (issue 13's CI chaos run: one person waited out the 600 s).
+                # A live but saturated replica may hold a request that long unread; its
+                # turn, if it runs, is billed and its answer unused.
+                if last_heard is None and self._unheard is not None and now - asked > self._unheard:
+                    raise self._lose(StreamSilent(cmd.turn_id, self._unheard))
+        except TimeoutError:  # the request's own timeout, never beaten for
+            raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
         finally:
             waiting.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    @property
+    def _no_reply(self) -> str:
+        return f"no reply from metering in {self._timeout:.0f} s"
+
+    def _lose(self, lost: TurnLost) -> TurnLost:
+        """Remember the lost turn's id (the oldest forgotten first) and return `lost`."""
+        self._lost[lost.turn_id] = None
+        while len(self._lost) > LOST_REMEMBERED:
+            del self._lost[next(iter(self._lost))]
+        return lost
 
     async def cancel(self, turn_id: str, project_id: str, session_id: UUID) -> CancelReply:
         """Stop a running streaming turn of this project's session (`cmd.llm.cancel`).

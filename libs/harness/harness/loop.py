@@ -19,9 +19,9 @@ attempt succeeded. A turn id still running in metering (an earlier run died wait
 for it) is waited for when the loop is given `in_progress_wait_seconds`: its reply,
 once stored, is ours to replay; past the wait it is tried again under the next retry
 id (its metering replica died mid-call). Without a wait, it is an error the caller
-may retry later. A stream whose metering replica goes silent (`harness.client.StreamSilent`:
-the replica was killed mid-call, before or after its first delta) is tried again under the
-next retry id at once.
+may retry later. A turn lost with its metering replica (`harness.client.TurnLost`: a
+stream whose replica went silent, before or after its first delta, or a whole-reply turn
+with no reply in the client's timeout) is tried again under the next retry id at once.
 
 A streaming turn the person stopped (`cmd.llm.cancel`; metering's `stop_reason`
 "cancelled") ends the loop at once: its tool calls never run, and the answer is the
@@ -49,7 +49,7 @@ from contracts.metering import (
     ToolUseBlock,
     TurnReply,
 )
-from harness.client import MeteringClient, StreamSilent
+from harness.client import MeteringClient, TurnLost
 from harness.tools import Halt, PostToolHook, PreToolHook, Tool, ToolResult
 from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
@@ -242,9 +242,9 @@ class ToolLoop:
                     await asyncio.sleep(IN_PROGRESS_POLL_SECONDS)
                     waited += IN_PROGRESS_POLL_SECONDS
                     continue
-                # A stream gone silent lost its metering replica: its id stays
-                # claimed (held) there, so only the next retry id can run (harness.client).
-                lost = isinstance(exc, StreamSilent)
+                # A turn lost with its metering replica (a silent stream, no reply): its
+                # id stays claimed (held) there, so only the next retry id can run.
+                lost = isinstance(exc, TurnLost)
                 if (lost or exc.code in self._retryable) and retry < MAX_TURN_RETRIES:
                     retry, waited = retry + 1, 0.0
                     attempt = turn.model_copy(update={"turn_id": f"{turn.turn_id}.r{retry}"})

@@ -372,3 +372,43 @@ async def test_a_crashing_tool_is_told_to_the_model_unless_the_loop_lets_it_rais
     strict = ToolLoop(MeteringClient(nc), [tool], max_iterations=1, report_tool_crashes=False)
     with pytest.raises(ConnectionError, match="unreachable"):
         await strict.run(context("looper"))
+
+
+class NeverAnswers(ScriptedProvider):
+    """The scripted model whose first call is taken and never answered (as if its
+    metering replica were killed mid-call: a whole-reply turn has no beat), until
+    `released`."""
+
+    def __init__(self) -> None:
+        super().__init__(SCRIPT)
+        self.released = asyncio.Event()
+        self.attempts = 0
+
+    async def complete(self, request: Any, progress: Any, on_text: Any = None) -> Any:
+        self.attempts += 1
+        if self.attempts == 1:
+            await self.released.wait()
+        return await super().complete(request, progress, on_text)
+
+
+async def test_a_whole_reply_turn_with_no_reply_in_the_timeout_is_retried_under_its_retry_id(
+    nc: Client, start_metering: Starter
+) -> None:
+    provider = NeverAnswers()
+    await start_metering(provider=provider)
+    # Without TurnLost the request's timeout ends the run with an exception.
+    loop = ToolLoop(MeteringClient(nc, timeout=2.0), [], max_iterations=1)
+    ctx = context("talker")
+    try:
+        result = await loop.run(ctx)
+        assert (result.status, result.final_text) == (
+            "completed",
+            "Olá! Vamos desenhar a sua padaria juntos.",
+        )
+        assert result.turn_ids == [f"{ctx.run_id}.1.r1"]
+        # a re-run skips the lost id (still claimed in metering) and replays the retry
+        again = await loop.run(ctx)
+        assert again.turn_ids == [f"{ctx.run_id}.1.r1"]
+        assert provider.attempts == 2
+    finally:
+        provider.released.set()  # the lost call ends, and metering bills it

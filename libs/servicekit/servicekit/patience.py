@@ -34,6 +34,7 @@ T = TypeVar("T")
 _UNREACHABLE: tuple[type[BaseException], ...] = (
     nats.errors.NoRespondersError,
     nats.js.errors.ServiceUnavailableError,  # JetStream not (yet) answering: a 503
+    nats.js.errors.NoStreamResponseError,  # a publish no stream acknowledged (a node down)
     nats.errors.TimeoutError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,

@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import uvloop
@@ -29,10 +29,12 @@ from servicekit.metrics import (
     running,
 )
 from servicekit.outbox import OutboxRelay, Sender
+from servicekit.patience import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, is_unavailable
 from servicekit.settings import ServiceSettings
 from servicekit.telemetry import configure_tracing
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 # EX_CONFIG (sysexits.h): the service cannot start until the operator provisions.
@@ -49,7 +51,7 @@ async def require_streams(js: JetStreamContext, service: str, replicas: int) -> 
     A service never creates a stream: re-creating a deleted EVENTS empty would hide the
     loss (issue 11). Provisioning is the `provision` user's job.
     """
-    problems = await check_streams(js, streams.ALL, replicas)
+    problems = await _when_jetstream_answers(lambda: check_streams(js, streams.ALL, replicas))
     if problems:
         log.error(
             "streams_not_provisioned",
@@ -58,6 +60,22 @@ async def require_streams(js: JetStreamContext, service: str, replicas: int) -> 
             fix="run `agentbus provision` (make up does), then start the service again",
         )
         raise StreamsNotReady("; ".join(problems))
+
+
+async def _when_jetstream_answers(ask: Callable[[], Awaitable[T]]) -> T:
+    """`ask()`'s answer, asked again (with backoff) for as long as JetStream does not
+    answer: a service restarting while a cluster node is down or electing its leaders
+    waits for the cluster, rather than exiting for the supervisor to start it again."""
+    delay = FIRST_BACKOFF_SECONDS
+    while True:
+        try:
+            return await ask()
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            log.warning("jetstream_not_answering", error=repr(exc), retry_in=delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, MAX_BACKOFF_SECONDS)
 
 
 @dataclass

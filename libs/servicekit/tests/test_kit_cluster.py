@@ -4,6 +4,7 @@ on its own ports and catches up."""
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,10 +12,18 @@ from pathlib import Path
 import nats
 import pytest
 from nats.js.api import StorageType, StreamConfig
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import (
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
+from structlog.testing import capture_logs
 
-from servicekit.bus import server_urls
+from contracts import streams
+from servicekit.bus import provision_streams, server_urls
 from servicekit.embedded import NatsCluster, start_nats_cluster
+from servicekit.runtime import require_streams
 from servicekit.testing import wait_for
 
 
@@ -56,6 +65,8 @@ async def test_an_r3_stream_keeps_acked_writes_through_a_node_killed_and_restart
                 await js.add_stream(config)
             except (ServiceUnavailableError, nats.errors.TimeoutError, NoStreamResponseError):
                 return False  # no meta leader elected yet
+            except BadRequestError:
+                return False  # a node not joined yet ("no suitable peers for placement")
             return True
 
         await wait_for(created, timeout=60, what="the R3 stream created")
@@ -97,5 +108,43 @@ async def test_an_r3_stream_keeps_acked_writes_through_a_node_killed_and_restart
         await wait_for(caught_up, timeout=60, what="the restarted node current again")
         info = await js.stream_info("CHAOS")
         assert info.state.messages == 20  # every acked write, none twice
+    finally:
+        await nc.close()
+
+
+async def test_a_starting_service_waits_for_jetstream_instead_of_exiting(
+    cluster: NatsCluster,
+) -> None:
+    """Issue 13: a service restarted while the cluster has lost its quorum (two of three
+    nodes down: no JetStream answers) waits for it, and starts once it is back."""
+    nc = await nats.connect(server_urls(cluster.url), reconnect_time_wait=0.2)
+    try:
+        js = nc.jetstream(timeout=2)
+
+        async def provisioned() -> bool:
+            try:
+                await provision_streams(js, streams.ALL, 3)
+            except (ServiceUnavailableError, nats.errors.TimeoutError, NoStreamResponseError):
+                return False  # no meta leader elected yet
+            except (NotFoundError, BadRequestError):
+                return False  # a node not joined yet ("no suitable peers for placement")
+            return True
+
+        await wait_for(provisioned, timeout=60, what="the streams provisioned on 3 nodes")
+        cluster.kill_node(1)
+        cluster.kill_node(2)
+        with capture_logs() as logged:
+            starting = asyncio.create_task(require_streams(js, "svc", 3))
+            await wait_for(
+                lambda: (
+                    starting.done() or any(e["event"] == "jetstream_not_answering" for e in logged)
+                ),
+                timeout=60,
+                what="the stream check to meet a JetStream without quorum",
+            )
+            assert not starting.done(), starting  # waiting, not exited
+            cluster.start_node(1)
+            cluster.start_node(2)
+            await asyncio.wait_for(starting, 120)  # the streams as declared: no exception
     finally:
         await nc.close()

@@ -22,7 +22,11 @@ async def main(settings: CriativoSettings | None = None) -> None:
         leases = SessionLeases(rt.js, settings.instance_id, settings.lease_ttl_seconds)
         await leases.open(settings.stream_replicas)
         turns = Turns(
-            MeteringClient(rt.nc, silence_seconds=settings.stream_silence_seconds),
+            MeteringClient(
+                rt.nc,
+                silence_seconds=settings.stream_silence_seconds,
+                unheard_seconds=settings.stream_unheard_seconds,
+            ),
             max_iterations=settings.max_tool_iterations,
             max_tokens=settings.max_tokens,
             budget_micros=settings.session_budget_micros,

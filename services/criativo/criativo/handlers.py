@@ -64,13 +64,19 @@ class CriativoSettings(ServiceSettings):
     max_tool_iterations: int = 4
     max_tokens: int = 2048
     # How long a turn id still running in metering (an earlier delivery's call) is
-    # waited for before it is tried again under a retry id.
-    turn_in_progress_wait_seconds: float = 120.0
+    # waited for before it is tried again under a retry id. Past a minute its metering
+    # replica is taken for dead too (both SIGKILLed: a person waited 120 s here, plus
+    # the lease's TTL, in the chaos runs); a live turn that long is answered by its
+    # retry, and billed twice.
+    turn_in_progress_wait_seconds: float = 60.0
     # An answer stream whose metering replica neither beats nor replies for this long lost
     # that replica (SIGKILLed mid-turn, before or after the first delta): tried again under
     # its next retry id rather than waiting out the request's 600 s (harness.client). The
     # replica is asked to beat every quarter of it; a model that thinks long keeps it beating.
     stream_silence_seconds: float = 30.0
+    # A stream that no metering replica beat for at all this long after the request (its
+    # replica killed before the first beat) is tried again under its retry id too.
+    stream_unheard_seconds: float = 60.0
     # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
     session_budget_micros: int | None = 2_000_000
 

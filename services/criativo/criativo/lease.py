@@ -32,11 +32,16 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from servicekit.logs import get_logger
+from servicekit.patience import is_unavailable
 
 log = get_logger(__name__)
 
 BUCKET = "criativo_leases"
 RETRY_SECONDS = 0.02
+# How soon a renewal or release JetStream did not answer is tried again, and how many
+# times a release is.
+RENEW_RETRY_SECONDS = 0.5
+RELEASE_ATTEMPTS = 3
 # Sessions whose release this replica remembers (the most recent ones).
 REMEMBERED_RELEASES = 10_000
 
@@ -87,10 +92,20 @@ class SessionLeases:
             except asyncio.CancelledError:  # we are being stopped: so is the renewer
                 renewer.cancel()
                 raise
+            await self._release_soon(key, state["revision"])
+
+    async def _release_soon(self, key: str, revision: int) -> None:
+        """Release, asking again while JetStream does not answer (a node just died): a
+        lease left behind holds the session's next input until it expires (the TTL)."""
+        for attempt in range(1, RELEASE_ATTEMPTS + 1):
             try:
-                await self._release(key, state["revision"])
+                await self._release(key, revision)
+                return
             except Exception as exc:  # expired or taken: it is not ours to delete
-                log.warning("lease_release_failed", session_id=key, error=repr(exc))
+                if not is_unavailable(exc) or attempt == RELEASE_ATTEMPTS:
+                    log.warning("lease_release_failed", session_id=key, error=repr(exc))
+                    return
+            await asyncio.sleep(RENEW_RETRY_SECONDS)
 
     async def _release(self, key: str, revision: int) -> None:
         """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
@@ -127,12 +142,24 @@ class SessionLeases:
     async def _renew(
         self, kv: KeyValue, key: str, state: dict[str, int], done: asyncio.Event
     ) -> None:
+        wait = self._ttl / 3
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), self._ttl / 3)
+                await asyncio.wait_for(done.wait(), wait)
                 return
             try:
                 state["revision"] = await kv.update(key, self._instance, last=state["revision"])
             except Exception as exc:
+                # A cluster node down (no stream response, a 503, a timeout) is not a lease
+                # taken: ask again soon, while the lease still has time to live. Giving up
+                # there let the lease expire under a running turn, free for another replica
+                # (the `lease_release_failed` lines of the chaos runs, after a NATS kill).
+                if is_unavailable(exc):
+                    log.warning("lease_renewal_unavailable", session_id=key, error=repr(exc))
+                    wait = RENEW_RETRY_SECONDS
+                    continue
                 log.error("lease_lost", session_id=key, error=repr(exc))
                 return
+            if wait != self._ttl / 3:  # back after an outage
+                log.info("lease_renewed", session_id=key, revision=state["revision"])
+            wait = self._ttl / 3

@@ -3,12 +3,19 @@ that released it, and never on the word of a revision someone wrote past."""
 
 from __future__ import annotations
 
+import tempfile
 import uuid
+from pathlib import Path
 
+import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from structlog.testing import capture_logs
 
 from criativo.lease import BUCKET, SessionLeases
+from servicekit.bus import server_urls
+from servicekit.embedded import start_nats_cluster
+from servicekit.testing import wait_for
 
 
 async def holder(nc: Client, session: uuid.UUID) -> bytes:
@@ -54,3 +61,42 @@ async def test_a_session_another_replica_held_since_is_taken_from_the_key_as_it_
         assert await holder(nc, session) == b"replica-b"
     async with a.hold(session):
         assert await holder(nc, session) == b"replica-a"
+
+
+async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() -> None:
+    """Issue 13: a renewal JetStream does not answer (two of three nodes SIGKILLed) is
+    tried again, not taken for a lost lease: the lease stays held through the outage and
+    its release still finds it (the chaos runs logged `lease_lost`, then
+    `lease_release_failed`, with the lease free for another replica meanwhile)."""
+    with tempfile.TemporaryDirectory(prefix="agentbus-lease-") as folder:
+        cluster = start_nats_cluster(Path(folder), 3)
+        nc = await nats.connect(server_urls(cluster.url), reconnect_time_wait=0.2)
+        try:
+            leases = SessionLeases(nc.jetstream(timeout=2), "replica-a", ttl_seconds=30)
+
+            async def opened() -> bool:
+                try:
+                    await leases.open(replicas=3)
+                except (nats.errors.Error, TimeoutError):
+                    return False  # the cluster is still electing its leaders
+                return True
+
+            await wait_for(opened, timeout=60, what="the R3 lease bucket")
+            with capture_logs() as logged:
+
+                def said(event: str) -> bool:  # or gave the lease up
+                    return any(e["event"] in (event, "lease_lost") for e in logged)
+
+                async with leases.hold(uuid.uuid4()):
+                    cluster.kill_node(1)
+                    cluster.kill_node(2)
+                    await wait_for(lambda: said("lease_renewal_unavailable"), timeout=30)
+                    cluster.start_node(1)
+                    cluster.start_node(2)
+                    await wait_for(lambda: said("lease_renewed"), timeout=60)
+            events = [e["event"] for e in logged]
+            assert "lease_lost" not in events
+            assert "lease_release_failed" not in events
+        finally:
+            await nc.close()
+            cluster.stop()

@@ -41,6 +41,7 @@ from gateway.ratelimit import TokenBucket
 from gateway.settings import GatewaySettings
 from gateway.wire import EXTENSION, FrameWriter, model_frame
 from servicekit.logs import get_logger
+from servicekit.patience import is_unavailable
 from servicekit.sessionlog import SessionLogClient
 from servicekit.telemetry import new_trace
 
@@ -184,6 +185,15 @@ class Connection:
             self._answer(ack)
         except DomainError as exc:
             self._answer(ErrorFrame(code=exc.code, message=exc.message, ref=ref))
+        except Exception as exc:
+            # NATS or JetStream not answering (a node down, leaders being elected: the
+            # DELTAS read of a join met a 503 under load on the R3 cluster, issue 13) is
+            # an outage the client waits out, not the end of its connection.
+            if not is_unavailable(exc):
+                raise
+            log.warning("frame_unavailable", frame=kind, error=repr(exc))
+            message = "a part of the platform is restarting; send the frame again shortly"
+            self._answer(ErrorFrame(code=ErrorCode.UNAVAILABLE, message=message, ref=ref))
         finally:
             frame_received(kind)
 

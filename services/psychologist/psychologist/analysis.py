@@ -38,6 +38,7 @@ from domain.psychologist import (
     validate_hypothesis_batch,
 )
 from harness import Halt, LoopContext, LoopResult, MeteringClient, Tool, ToolLoop, ToolResult
+from harness.client import TURN_LOST
 from psychologist.context import AnalysisContext, render, system_prompt
 from psychologist.repository import AnalysisRow, PsychologistRepository
 from servicekit.faults import crash_point
@@ -57,6 +58,7 @@ RETRYABLE_CODES = frozenset(
         ErrorCode.TURN_IN_PROGRESS.value,
         ErrorCode.PROVIDER_ERROR.value,
         ErrorCode.PROVIDER_OVERLOADED.value,
+        TURN_LOST,  # its metering replica died on every retry id: metering is away
     }
 )
 MAX_REASON_CHARS = 3000
@@ -158,11 +160,13 @@ class Analyst:
         log_: SessionLogClient,
         client: MeteringClient,
         max_tokens: int = 4096,
+        in_progress_wait_seconds: float | None = None,
     ) -> None:
         self._repo = repo
         self._log = log_
         self._client = client
         self._max_tokens = max_tokens
+        self._in_progress_wait = in_progress_wait_seconds
         self._system = system_prompt()
 
     async def prepare(self, session_id: UUID, triggered_by: TriggeredBy) -> Prepared:
@@ -188,14 +192,17 @@ class Analyst:
         """Run the tool loop and record its outcome."""
         ctx, plan = prepared.ctx, prepared.plan
         # The harness's one ToolLoop, whole-reply: nobody watches an analysis being
-        # written. A turn still running in metering (a killed delivery's) is not waited
-        # for: it ends the run as `turn_in_progress`, which a later delivery retries.
+        # written. A turn still running in metering (a killed delivery's) is waited for
+        # and replayed; past the wait its metering replica died too, and it is tried
+        # again under its retry id. (Not waiting, every redelivery met the same dead
+        # turn until the deliveries ran out: a failed analysis of a healthy session.)
         loop = ToolLoop(
             self._client,
             [emit_hypotheses_tool(self._log, ctx.session.session_id, ctx.termination)],
             max_iterations=plan.max_iterations,
             max_tokens=self._max_tokens,
             post_tool_hooks=[halt_when_accepted],
+            in_progress_wait_seconds=self._in_progress_wait,
         )
         result = await loop.run(
             LoopContext(

@@ -19,7 +19,10 @@ async def main(settings: PsychologistSettings | None = None) -> None:
     async with svc.open(settings) as rt:
         repo = PsychologistRepository(rt.pool)
         session_log = SessionLogClient(rt.nc)
-        analyst = Analyst(repo, session_log, MeteringClient(rt.nc), settings.max_tokens)
+        metering = MeteringClient(rt.nc, timeout=settings.turn_lost_seconds)
+        # A turn still in progress is as good as lost past the same bound.
+        wait = settings.turn_lost_seconds
+        analyst = Analyst(repo, session_log, metering, settings.max_tokens, wait)
         rt.relay(LogAppender(rt.nc))
         await svc.serve(rt, repo=repo, session_log=session_log, analyst=analyst)
 

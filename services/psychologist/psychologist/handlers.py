@@ -60,6 +60,10 @@ class PsychologistSettings(ServiceSettings):
     max_tokens: int = 4096
     # Redelivery delays; the first is also how long a killed replica's message waits.
     redelivery_backoff: list[float] = Field(default_factory=lambda: [3.0, 10.0, 30.0, 60.0])
+    # A model turn with no reply this long lost its metering replica (SIGKILLed mid-call:
+    # no reply will ever come): tried again under its next retry id instead of holding
+    # the closing for the request's 600 s. Longer than a whole reply of `max_tokens` takes.
+    turn_lost_seconds: float = 180.0
 
 
 @svc.command(subjects.PSYCHOLOGIST_REANALYZE)

@@ -62,14 +62,12 @@ class RecordingProvider(ScriptedProvider):
 
 
 @dataclass
-class Driver:
-    """What a test does to the system, by name."""
+class LogDriver:
+    """What a test does to the system, by name, through the log and the psychologist."""
 
     nc: Client
     db: asyncpg.Pool
     project: str
-    provider: RecordingProvider
-    metering: Metering
 
     async def open(self, project: str | None = None) -> uuid.UUID:
         reply = await call(
@@ -174,6 +172,14 @@ class Driver:
             UsageSummaryRequest(group_by=["agent", "model"], project_id=self.project, **filters),
             UsageSummaryReply,
         )
+
+
+@dataclass
+class Driver(LogDriver):
+    """The same, with the model and the metering replica the fixtures started."""
+
+    provider: RecordingProvider
+    metering: Metering
 
 
 @pytest.fixture
