@@ -9,9 +9,10 @@ beaten, that long with no beat and no reply means it is gone — before the firs
 as well as after — and the call raises `StreamSilent`, which the `ToolLoop` retries at
 once under the turn's next retry id (`<turn_id>.r1`…). A model that thinks long before
 writing keeps its replica beating, so it is waited for. Before the first beat there is
-nothing to go by: a replica saturated with turns (its endpoint's concurrency) holds the
-request unread, and giving it up then would run the turn twice; that wait stays bounded
-by the request timeout only. The client never reads the turn's deltas: a beat is noted
+little to go by: a replica saturated with turns (its endpoint's concurrency) holds the
+request unread, and giving it up then would run the turn twice; so that wait is bounded
+by the longer `unheard_seconds` (a replica killed after taking the request and before
+its first beat), or else by the request timeout only. The client never reads the turn's deltas: a beat is noted
 on arrival, unparsed, a few per turn, not one per token. The lost id stays claimed in
 metering until its sweeper settles the hold, so the client remembers it: a re-run of
 the same input skips it rather than wait on "turn in progress".
