@@ -36,6 +36,7 @@ import nats
 import uvloop
 
 from contracts import subjects
+from contracts.metering import ToolUseBlock
 from contracts.session_events import (
     AppendedReply,
     AppendEvent,
@@ -163,7 +164,7 @@ async def run() -> None:
                 prompt = render(prepared.ctx)
                 render_s = await timed(lambda p=prepared: asyncio.sleep(0, render(p.ctx)))
                 cited = [str(e.id) for e in prepared.ctx.events[-20:]]
-                batch = {
+                hypotheses = {
                     "hypotheses": [
                         {
                             "target_agent": "criativo",
@@ -175,7 +176,9 @@ async def run() -> None:
                         for i in range(0, 20, 5)
                     ]
                 }
+                # As the model asks for it: the tool's handler takes the whole tool call.
                 tool = emit_hypotheses_tool(log_, session_id, prepared.ctx.termination)
+                batch = ToolUseBlock(id="bench", name=tool.name, input=hypotheses)
                 result = await tool.handler(batch)
                 assert not result.is_error, result.content
                 validate_s = await timed(lambda t=tool, b=batch: t.handler(b))
