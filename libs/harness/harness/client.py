@@ -12,10 +12,11 @@ writing keeps its replica beating, so it is waited for. Before the first beat th
 little to go by: a replica saturated with turns (its endpoint's concurrency) holds the
 request unread, and giving it up then would run the turn twice; so that wait is bounded
 by the longer `unheard_seconds` (a replica killed after taking the request and before
-its first beat), or else by the request timeout only. The client never reads the turn's deltas: a beat is noted
-on arrival, unparsed, a few per turn, not one per token. The lost id stays claimed in
-metering until its sweeper settles the hold, so the client remembers it: a re-run of
-the same input skips it rather than wait on "turn in progress".
+its first beat), or else by the request timeout only. The client never reads the
+turn's deltas: a beat is noted on arrival, unparsed, a few per turn, not one per token.
+The lost id stays claimed in metering until its sweeper settles the hold, so the client
+remembers it: a re-run of the same input skips it rather than wait on "turn in
+progress".
 
 A whole-reply turn has no beat: no reply within `timeout` is its only sign that the
 replica is gone, and the call raises `TurnLost` (which `StreamSilent` is too), retried
