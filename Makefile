@@ -42,11 +42,12 @@ chromium: ## Debian's chromium for the browser test (apt-get, only when it is mi
 test: setup chromium ## run every test against real NATS and Postgres (embedded unless URLs are set)
 	$(RUN) pytest
 
-lint: setup ## ruff, mypy --strict (code and tests), import layers, deploy/ generated and valid
+lint: setup ## ruff, mypy --strict (code, tests and benches), import layers, deploy/ generated and valid
 	$(RUN) ruff check .
 	$(RUN) ruff format --check .
 	$(RUN) mypy libs contracts services
 	@for d in $(MYPY_TESTS); do echo "mypy $$d"; $(RUN) mypy $$d/*.py || exit 1; done
+	MYPYPATH=bench $(RUN) mypy bench/*.py bench/chaoskit/*.py
 	$(RUN) lint-imports
 	$(RUN) agentbus deploy-config
 	$(RUN) python -m devstack.deploycheck

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -52,7 +53,7 @@ from metering.providers.scripted import DEFAULT_SCRIPT, ScriptedProvider
 from psychologist.analysis import Analyst, emit_hypotheses_tool
 from psychologist.app import PsychologistSettings
 from psychologist.app import main as psychologist_main
-from psychologist.context import render
+from psychologist.context import AnalysisContext, render
 from psychologist.repository import PsychologistRepository
 from servicekit.client import call
 from servicekit.db import create_pool
@@ -98,6 +99,11 @@ async def append_many(nc: Any, session_id: uuid.UUID, count: int, width: int = 6
     await asyncio.gather(*(one(i) for i in range(count)))
 
 
+async def rendered(ctx: AnalysisContext) -> str:
+    """The prompt of `ctx`, as an awaitable for `timed`."""
+    return render(ctx)
+
+
 async def open_session(nc: Any, project: str) -> uuid.UUID:
     reply = await call(
         nc,
@@ -124,7 +130,11 @@ async def run() -> None:
     with benchkit.servers("bench-psy-") as srv:
         nats_url, database_url = srv.nats_url, srv.admin_url
         nc = await nats.connect(nats_url)
-        fast = {"nats_url": nats_url, "database_url": database_url, "outbox_poll_seconds": 0.2}
+        fast: dict[str, Any] = {
+            "nats_url": nats_url,
+            "database_url": database_url,
+            "outbox_poll_seconds": 0.2,
+        }
         provider = ScriptedProvider(DEFAULT_SCRIPT.model_copy(update={"token_delay_ms": 0.0}))
         async with AsyncExitStack() as services:
             await services.enter_async_context(
@@ -160,9 +170,9 @@ async def run() -> None:
                 session_id = await open_session(nc, f"bench-{size}")
                 await append_many(nc, session_id, size - 1)
                 prepared = await analyst.prepare(session_id, "manual")
-                prepare_s = await timed(lambda s=session_id: analyst.prepare(s, "manual"))
+                prepare_s = await timed(partial(analyst.prepare, session_id, "manual"))
                 prompt = render(prepared.ctx)
-                render_s = await timed(lambda p=prepared: asyncio.sleep(0, render(p.ctx)))
+                render_s = await timed(partial(rendered, prepared.ctx))
                 cited = [str(e.id) for e in prepared.ctx.events[-20:]]
                 hypotheses = {
                     "hypotheses": [
@@ -181,7 +191,7 @@ async def run() -> None:
                 batch = ToolUseBlock(id="bench", name=tool.name, input=hypotheses)
                 result = await tool.handler(batch)
                 assert not result.is_error, result.content
-                validate_s = await timed(lambda t=tool, b=batch: t.handler(b))
+                validate_s = await timed(partial(tool.handler, batch))
                 print(
                     f"{size:>6}   {prepare_s * 1e3:>24.1f}  {render_s * 1e3:>9.1f}  "
                     f"{len(prompt.encode()) / 1024:>10.0f}  {validate_s * 1e3:>19.2f}  "
