@@ -55,9 +55,20 @@ class Socket:
 
     def __init__(self) -> None:
         self.closed_with: int | None = None
+        self.closed = asyncio.Event()
 
     async def close(self, code: int = 1000) -> None:
         self.closed_with = code
+        self.closed.set()
+
+
+async def flushed() -> None:
+    """Return once the callbacks scheduled so far have run: a connection flushes its
+    queued frames by `loop.call_soon`, first in first out, so the tick's write is done."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(done.set_result, None)
+    await done
 
 
 def connection(transport: Transport, socket: Socket, **settings: Any) -> Connection:
@@ -81,13 +92,13 @@ async def test_a_client_that_stops_reading_is_let_go_with_1013() -> None:
     client = connection(transport, socket, max_queued_frames=5)
     closes, sent = value(CLOSES), value(SENT, type="event")
     client.send("event", event(0))
-    await asyncio.sleep(0)  # the tick ends: the first frame is written and fills the socket
+    await flushed()  # the first frame is written and fills the socket
     assert transport.writes == [event(0)]
     for n in range(1, 5 + 1 + 1):  # five queued, one too many
         client.send("event", event(n))
-        await asyncio.sleep(0)
+        await flushed()
+    await asyncio.wait_for(socket.closed.wait(), 10)  # the close runs as a task of its own
     assert transport.writes == [event(0)], "nothing written while the socket is full"
-    await asyncio.sleep(0)  # the close runs as a task of its own
     assert socket.closed_with == CLOSE_TOO_SLOW
     assert value(CLOSES) == closes + 1
     client.send("event", event(99))  # after the close: dropped, no error
@@ -100,11 +111,11 @@ async def test_frames_of_one_tick_go_out_in_one_write_and_the_rest_once_drained(
     client = connection(transport, socket)
     for n in range(3):
         client.send("event", event(n))
-    await asyncio.sleep(0)
+    await flushed()
     assert transport.writes == [event(0) + event(1) + event(2)]
     client.send("event", event(3))
     client.send("event", event(4))
-    await asyncio.sleep(0)
+    await flushed()
     assert len(transport.writes) == 1, "the socket is full: the frames wait"
     transport.stall_after = None  # it drained: the protocol calls back
     assert transport.on_writable is not None
