@@ -15,8 +15,9 @@ from pathlib import Path
 import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import Header, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KV_DEL, KV_OP
 
 from contracts.streams import StreamSpec
 from servicekit.logs import get_logger
@@ -166,3 +167,16 @@ async def check_streams(
             continue
         problems += [f"{spec.name}: {p}" for p in _mismatches(spec, info.config, replicas)]
     return problems
+
+
+async def kv_delete(js: JetStreamContext, bucket: str, key: str, last: int) -> int:
+    """Delete `key` of the KV `bucket` if its revision is still `last`, as nats-py's
+    `KeyValue.delete(key, last=…)` does, and return the delete marker's revision, which
+    that one does not: a caller that writes the key again next can compare-and-set on
+    the marker (`kv.update(key, value, last=marker)`) in one round trip."""
+    ack = await js.publish(
+        f"$KV.{bucket}.{key}",
+        b"",
+        headers={KV_OP: KV_DEL, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)},
+    )
+    return ack.seq

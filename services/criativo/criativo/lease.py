@@ -27,10 +27,11 @@ from collections.abc import AsyncIterator
 from uuid import UUID
 
 from nats.js import JetStreamContext
-from nats.js.api import Header, KeyValueConfig
+from nats.js.api import KeyValueConfig
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KV_DEL, KV_OP, KeyValue
+from nats.js.kv import KeyValue
 
+from servicekit.bus import kv_delete
 from servicekit.logs import get_logger
 from servicekit.patience import is_unavailable
 
@@ -110,13 +111,9 @@ class SessionLeases:
     async def _release(self, key: str, revision: int) -> None:
         """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
         writes), remembering the marker's revision, which `kv.delete` does not return."""
-        ack = await self._js.publish(
-            f"$KV.{BUCKET}.{key}",
-            b"",
-            headers={KV_OP: KV_DEL, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)},
-        )
+        marker = await kv_delete(self._js, BUCKET, key, last=revision)
         self._released.pop(key, None)
-        self._released[key] = ack.seq
+        self._released[key] = marker
         if len(self._released) > REMEMBERED_RELEASES:
             del self._released[next(iter(self._released))]
 
