@@ -46,6 +46,12 @@ async def confirm(nc: Client, delivered: Event, *, consumer: str) -> Event | Non
     """
     found = await SessionLogClient(nc).get([delivered.id], timeout=COMMAND_TIMEOUT_SECONDS)
     logged = next((e for e in found if e.id == delivered.id), None)
+    return judged(delivered, logged, consumer=consumer)
+
+
+def judged(delivered: Event, logged: Event | None, *, consumer: str) -> Event | None:
+    """`logged` when it is the delivered event as committed; else None, logged and
+    counted as a forgery."""
     reason = mismatch(delivered, logged)
     if reason is None:
         return logged

@@ -139,7 +139,7 @@ async def main(
         )
         presence = Presence(session_log.heartbeat, settings.heartbeat_interval_seconds)
         secret = load_secret(settings.gateway_secret)
-        hub = Hub(settings, secret, commands, session_log, presence, Fanout(rt.nc))
+        hub = Hub(settings, secret, commands, session_log, presence, Fanout(rt.nc, session_log))
         try:
             async with serving_http(rt, build_app(hub), settings) as url:
                 log.info("gateway_listening", url=url)

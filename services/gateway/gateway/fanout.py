@@ -33,8 +33,14 @@ from contracts.metering import TurnDelta
 from gateway.metrics import FOLLOWED_SESSIONS
 from gateway.wire import model_frame, text_frame
 from servicekit.logs import get_logger
+from servicekit.provenance import judged
+from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
+
+# How often, and how far apart, the log is asked to confirm a live event it does not answer.
+CONFIRM_ATTEMPTS = 3
+CONFIRM_RETRY_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +131,7 @@ class _Topic:
     """One followed session: its subscription and the feeds following it."""
 
     subject: str
+    session_log: SessionLogClient
     followers: list[Follower] = field(default_factory=list)
     subscribed: asyncio.Future[Subscription] | None = None
 
@@ -139,18 +146,40 @@ class _Topic:
         except ValidationError as exc:  # one bad message must not end the feeds
             log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
             return
+        if isinstance(live, LiveEvent) and not await self.committed(live.event):
+            return
         for follower in tuple(self.followers):
             try:
                 follower.offer(live)
             except Exception as exc:  # nor a feed's failure reach the others
                 log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
 
+    async def committed(self, event: Event) -> bool:
+        """Whether the log committed this very event at its `seq` (DESIGN, who may use the
+        bus): a forged copy is never shown, nor lets the feeds drop the real one as a
+        duplicate by its `seq`. One read per event for all the session's followers, none
+        per token. A log that does not answer (a replica restarting) is asked again a few
+        times; after that the event is dropped, and the feeds read it from the log when
+        the next event shows the gap."""
+        for attempt in range(1, CONFIRM_ATTEMPTS + 1):
+            try:
+                page = await self.session_log.page(event.session_id, event.seq - 1, limit=1)
+                break
+            except Exception as exc:
+                log.warning("feed_event_unconfirmed", event_id=str(event.id), error=repr(exc))
+                if attempt == CONFIRM_ATTEMPTS:
+                    return False
+                await asyncio.sleep(CONFIRM_RETRY_SECONDS)
+        logged = page[0] if page and page[0].seq == event.seq else None
+        return judged(event, logged, consumer="gateway") is not None
+
 
 class Fanout:
     """The gateway's subscriptions to the sessions its connections follow."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, session_log: SessionLogClient) -> None:
         self._nc = nc
+        self._log = session_log
         self._topics: dict[str, _Topic] = {}
 
     def following(self) -> int:
@@ -163,7 +192,7 @@ class Fanout:
         key = session_filter(project_id, session_id)
         topic = self._topics.get(key)
         if topic is None:
-            topic = self._topics[key] = _Topic(key)
+            topic = self._topics[key] = _Topic(key, self._log)
             FOLLOWED_SESSIONS.inc()
             topic.subscribed = asyncio.ensure_future(topic.subscribe(self._nc))
         topic.followers.append(follower)

@@ -17,7 +17,7 @@ from contracts.session_events import AppendedReply, AppendEvent, SessionRef, Ses
 from gateway.auth import mint
 from servicekit.client import call
 from servicekit.metrics import value
-from servicekit.testing import wait_for
+from servicekit.testing import forged_closing, publish_forged, wait_for
 
 from .conftest import Gateway
 
@@ -231,3 +231,25 @@ async def test_chat_streams_deltas_and_a_late_joiner_catches_up_on_the_turn(
         assert len(deltas) > 1
     resent = await first.request({"type": "chat", "text": words, "client_msg_id": "m-1"})
     assert resent["result"]["duplicate"] is True
+
+
+async def test_an_event_forged_on_the_bus_is_never_shown_nor_displaces_the_real_one(
+    gateway: Gateway, nc: Client
+) -> None:
+    session = await gateway.open_session()
+    client = await gateway.ws()
+    await client.request({"type": "join", "session_id": str(session)})
+    next_seq = max(client.event_seqs(), default=0) + 1
+    # A closing the log never committed, at the very seq the next real event takes.
+    forged = forged_closing(gateway.project, session, seq=next_seq)
+    await publish_forged(nc, forged)
+    said = AppendEvent(
+        session_id=session, type="chat.message", actor="user:ana", payload={"text": "oi"}
+    )
+    real = await call(nc, subjects.EVENTS_APPEND, said, AppendedReply)
+    assert real.seq == next_seq
+
+    await wait_for(lambda: real.seq in client.event_seqs() or None, what="the real event")
+    at_seq = [f["event"] for f in client.of("event") if f["event"]["seq"] == next_seq]
+    assert [(e["id"], e["type"]) for e in at_seq] == [(str(real.event_id), "chat.message")]
+    assert str(forged.id) not in {f["event"]["id"] for f in client.of("event")}
