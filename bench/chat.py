@@ -246,10 +246,15 @@ class Chat:
         sending one message every `mean_gap_s` on average, at times drawn before the run
         (never waiting on the system), while other sessions' replies stream. A person
         waits for their own answer before writing again, so an arrival goes to a session
-        with no answer in flight; returns how many found none (those queue behind their
-        session's turn, as the design says, and are measured all the same)."""
+        with no answer in flight (the one idle longest); when every session is waiting,
+        it goes to the first answered, measured from when it is sent. Returns how many
+        arrivals found every session busy (their number is printed: the system was behind).
+        A message sent during its own session's turn would measure Criativo's one turn at
+        a time per session, not the path's overhead."""
         rng = random.Random(seed)
-        idle = list(sessions)
+        idle: asyncio.Queue[uuid.UUID] = asyncio.Queue()
+        for session in sessions:
+            idle.put_nowait(session)
         crowded = 0
         running: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
@@ -260,16 +265,14 @@ class Chat:
             try:
                 await self.turn(nc, session)
             finally:
-                idle.append(session)
+                idle.put_nowait(session)
 
         for _ in range(turns):
             at += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, start + at - loop.time()))
-            if idle:
-                session = idle.pop(rng.randrange(len(idle)))
-            else:
+            if idle.empty():
                 crowded += 1
-                session = rng.choice(sessions)
+            session = await idle.get()
             task = asyncio.create_task(converse(session))
             running.add(task)
             task.add_done_callback(running.discard)
@@ -422,7 +425,7 @@ async def measure_level(
     title = (
         f"{n} sessions, spread (Poisson arrivals, one message per session every "
         f"{level.mean_gap_s:g} s on average: {n / level.mean_gap_s:.1f} turns/s; "
-        f"{crowded} of {turns} found their session busy):"
+        f"{crowded} of {turns} found every session busy):"
     )
     measured.append(Measured(report(title, spread, hop), p99_of(spread), cpu, turns))
     for chat in (burst, spread):
