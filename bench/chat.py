@@ -434,6 +434,16 @@ async def measure_level(
     return measured[0], measured[1], idle
 
 
+def net_of_idle(spread: CpuUsage, idle: CpuUsage, turns_per_second: float) -> CpuUsage:
+    """The spread's CPU per turn less each process's background share (idle ms per second
+    ÷ turns per second)."""
+    per_op = {
+        k: round(v - idle.ms_per_op.get(k, 0.0) / turns_per_second, 3)
+        for k, v in spread.ms_per_op.items()
+    }
+    return CpuUsage(per_op, spread.cores_ours, spread.cores_machine)
+
+
 def p99_of(chat: Chat) -> float:
     return percentile(chat.first_delta_ms, 0.99)
 
@@ -500,16 +510,23 @@ async def run(
                     path = spy_dir / f"{module}-{scenario_name}-{n}.txt"
                     print(f"py-spy, {module} during the {scenario_name} ({path}):")
                     print("\n".join(top_frames(path, 25)), flush=True)
-            cpu_rows += [("burst", n, burst.cpu), ("spread", n, spread.cpu), ("idle/s", n, idle)]
+            net = net_of_idle(spread.cpu, idle, n / level.mean_gap_s)
+            cpu_rows += [
+                ("burst", n, burst.cpu),
+                ("spread", n, spread.cpu),
+                ("idle/s", n, idle),
+                ("spread-idle", n, net),
+            ]
             bounds.append(burst_bound(n, burst.cpu))
             if n in FIRST_DELTA_GOAL_MS:
                 goals.at_most(f"append → first delta p99 ms at {n} sessions, spread arrivals",
                               spread.p99, FIRST_DELTA_GOAL_MS[n])  # fmt: skip
                 print(f"  burst at {n} (worst case, not judged): first delta p99 "
                       f"{burst.p99:.1f} ms")  # fmt: skip
-        print("\n".join(cpu_table(roles, cpu_rows, name_width=9)).replace("per op", "per turn", 1))
+        print("\n".join(cpu_table(roles, cpu_rows, name_width=12)).replace("per op", "per turn", 1))
         print("  idle/s: CPU ms per second with no turn running (polls, fetches, keep-alives);")
-        print("  a spread turn carries its share of it: idle/s ÷ turns per second")
+        print("  a spread turn carries its share of it (idle/s ÷ turns per second); spread-idle")
+        print("  is the spread's CPU per turn without that share: the turn's own work")
         print("\n".join(bounds))
         print("goals:")
         print("\n".join(goals.report()))
