@@ -14,6 +14,9 @@ session, and takes the session again by updating from that revision. A key someo
 else wrote since (or that expired) no longer matches, and the lease is taken as
 above (`kv.create` reads the marker and writes behind it: three round trips).
 
+That path also tells the holder something: the key was untouched since this replica's
+release, so no other replica held the session meanwhile (`hold` yields True, "resumed").
+
 If renewing fails (the TTL ran out during a stall and another replica took over),
 the turn goes on: the log's idempotency keys still keep one response per message,
 and the loss is logged.
@@ -70,17 +73,25 @@ class SessionLeases:
             await self._js.update_stream(info.config)
             self._kv = await self._js.key_value(BUCKET)
 
+    def may_resume(self, session_id: UUID) -> bool:
+        """Whether this replica released the session last it knows, so its next `hold` may
+        be a resumption (one round trip, nobody else held it since)."""
+        return str(session_id) in self._released
+
     @contextlib.asynccontextmanager
-    async def hold(self, session_id: UUID) -> AsyncIterator[None]:
-        """Hold the session's lease for the block; waits while another replica holds it."""
+    async def hold(self, session_id: UUID) -> AsyncIterator[bool]:
+        """Hold the session's lease for the block; waits while another replica holds it.
+
+        Yields whether the lease was resumed: taken from this replica's own release, with
+        no other holder in between."""
         assert self._kv is not None, "open() first"
         kv, key = self._kv, str(session_id)
-        revision = await self._acquire(kv, key)
+        revision, resumed = await self._acquire(kv, key)
         state = {"revision": revision}
         done = asyncio.Event()
         renewer = asyncio.create_task(self._renew(kv, key, state, done))
         try:
-            yield
+            yield resumed
         finally:
             # Told to stop, not cancelled: a cancel that lands as a renewal's ack arrives
             # can be swallowed (asyncio.wait_for before Python 3.12, inside nats-py's
@@ -117,14 +128,15 @@ class SessionLeases:
         if len(self._released) > REMEMBERED_RELEASES:
             del self._released[next(iter(self._released))]
 
-    async def _acquire(self, kv: KeyValue, key: str) -> int:
+    async def _acquire(self, kv: KeyValue, key: str) -> tuple[int, bool]:
+        """The lease's revision, and whether it was resumed from our own release."""
         released = self._released.pop(key, None)
         if released is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):  # written since: as below
-                return await kv.update(key, self._instance, last=released)
+                return await kv.update(key, self._instance, last=released), True
         while True:
             try:
-                return await kv.create(key, self._instance)
+                return await kv.create(key, self._instance), False
             except KeyWrongLastSequenceError:
                 await asyncio.sleep(RETRY_SECONDS)  # held elsewhere: until released or expired
             except KeyNotFoundError:

@@ -21,6 +21,7 @@ so the decision is taken on the log as it stands, not on what this replica last 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from uuid import UUID
@@ -135,19 +136,42 @@ class SessionWork:
             conv = await self.catch_up(conv)
             await self.confirmed(conv, event)  # a forged one is logged and counted
             return conv
-        async with self._leases.hold(event.session_id):
-            conv = await self.catch_up(conv)
-            if not await self.confirmed(conv, event):
-                return conv  # forged or stale: acknowledged, never acted on
-            if event.type is EventType.CHAT_MESSAGE:
-                for n, message_id in enumerate(conv.pending_before(event.seq)):
-                    if n:  # the answer before, as the log holds it, is in this one's prompt
-                        conv = await self.catch_up(conv)
-                    conv = await self._answer(conv, message_id)
-                # The last answer is read back by the next input's catch-up, which every
-                # input starts with: one read of the log per turn, not two.
-                return conv
-            return await self._readiness(conv, event)
+        # The log is read while the lease is taken, when the lease may be resumed, and the
+        # read stands only if it was: no other replica held the session since this one
+        # released it, and all this one wrote under the lease had been written before the
+        # read went out. Otherwise the log is read again, under the lease. One round trip
+        # off every turn's first token (issue 12).
+        ahead = self._read_ahead(conv) if self._leases.may_resume(event.session_id) else None
+        try:
+            async with self._leases.hold(event.session_id) as resumed:
+                if ahead is not None and resumed:
+                    conv = await ahead
+                else:
+                    conv = await self.catch_up(conv)
+                return await self._handle_held(conv, event)
+        finally:
+            if ahead is not None:
+                ahead.cancel()  # unused, or done
+
+    def _read_ahead(self, conv: Conversation) -> asyncio.Task[Conversation]:
+        """`catch_up`, started now; if it goes unused, its failure is nobody's."""
+        task = asyncio.ensure_future(self.catch_up(conv))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _handle_held(self, conv: Conversation, event: Event) -> Conversation:
+        """A message or a readiness, under the session's lease, on the caught-up log."""
+        if not await self.confirmed(conv, event):
+            return conv  # forged or stale: acknowledged, never acted on
+        if event.type is EventType.CHAT_MESSAGE:
+            for n, message_id in enumerate(conv.pending_before(event.seq)):
+                if n:  # the answer before, as the log holds it, is in this one's prompt
+                    conv = await self.catch_up(conv)
+                conv = await self._answer(conv, message_id)
+            # The last answer is read back by the next input's catch-up, which every
+            # input starts with: one read of the log per turn, not two.
+            return conv
+        return await self._readiness(conv, event)
 
     async def _answer(self, conv: Conversation, message_id: UUID) -> Conversation:
         action = rules.decide(conv, EventType.CHAT_MESSAGE, message_id)
