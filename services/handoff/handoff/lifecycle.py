@@ -51,8 +51,7 @@ LIFECYCLE_ACTOR = "system:handoff-lifecycle"
 
 async def offer(tx: HandoffTransaction, cmd: OfferHandoff) -> OfferReply:
     """ADR 0182 decisions 2, 4 and 7 for one target."""
-    await tx.lock_target(cmd.project_id, cmd.to_agent)
-    active, pending = await tx.target_state(cmd.project_id, cmd.to_agent)
+    active, pending = await tx.lock_target_state(cmd.project_id, cmd.to_agent)
     if cmd.mode == "if_absent":
         reason = skip_reason(active is not None, bool(pending))
         if reason is not None:
@@ -91,8 +90,7 @@ async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
     served: list[AlreadyServed] = []
     # Sorted, so two concurrent multi-target offers take the target locks in one order.
     for target in sorted(cmd.targets, key=lambda t: t.to_agent):
-        await tx.lock_target(cmd.project_id, target.to_agent)
-        active, pending = await tx.target_state(cmd.project_id, target.to_agent)
+        active, pending = await tx.lock_target_state(cmd.project_id, target.to_agent)
         reason = skip_reason(active is not None, bool(pending))
         if reason is not None:
             served.append(

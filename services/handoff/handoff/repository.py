@@ -64,24 +64,14 @@ class HandoffTransaction:
         )
         return [Handoff.model_validate(dict(r)) for r in rows]
 
-    async def target_state(
+    async def lock_target_state(
         self, project_id: str, agent: str
     ) -> tuple[Activation | None, list[Handoff]]:
-        """The agent's activation in an open session of the project, if any, and `pending`:
-        one round trip, which the offer path reads under the target's lock
-        (bench/handoff.py measures why)."""
+        """`lock_target`, then the agent's activation in an open session of the project, if
+        any, and `pending`: one round trip, read after the lock was granted (the function
+        of migration 0002 says why it is a function; bench/handoff.py measures why)."""
         row = await self._conn.fetchrow(
-            f"""SELECT
-                  (SELECT to_jsonb(a) FROM (
-                     SELECT {ACTIVATION_COLUMNS} FROM activations
-                      WHERE project_id = $1 AND agent = $2 AND ended_at IS NULL
-                      ORDER BY activated_at LIMIT 1) a) AS active,
-                  (SELECT coalesce(jsonb_agg(to_jsonb(h) ORDER BY h.created_at, h.id), '[]')
-                     FROM (SELECT {HANDOFF_COLUMNS} FROM handoffs
-                            WHERE project_id = $1 AND to_agent = $2 AND status = 'offered') h)
-                    AS pending""",
-            project_id,
-            agent,
+            "SELECT * FROM lock_target_state($1, $2)", project_id, agent
         )
         assert row is not None
         active = Activation.model_validate(row["active"]) if row["active"] else None
