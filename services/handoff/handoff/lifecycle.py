@@ -8,8 +8,9 @@ decision 3). Every status change of a handoff happens under its target's lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 from uuid import UUID, uuid4
 
 from contracts.common import ErrorCode
@@ -23,6 +24,7 @@ from contracts.events import (
 from contracts.handoff import (
     AcceptReply,
     ActivateAgent,
+    Activation,
     ActivationReply,
     AlreadyServed,
     Handoff,
@@ -44,44 +46,125 @@ from domain.handoff import (
     may_activate,
     skip_reason,
 )
-from handoff.repository import HandoffTransaction, announcement
+from handoff.repository import HandoffTransaction, NewOffer, announcement
 
 LIFECYCLE_ACTOR = "system:handoff-lifecycle"
 
 
-async def offer(tx: HandoffTransaction, cmd: OfferHandoff) -> OfferReply:
-    """ADR 0182 decisions 2, 4 and 7 for one target."""
-    active, pending = await tx.lock_target_state(cmd.project_id, cmd.to_agent)
+async def offer_together(
+    tx: HandoffTransaction, cmds: Sequence[OfferHandoff]
+) -> list[OfferReply | DomainError]:
+    """ADR 0182 decisions 2, 4 and 7 for offers to one target (project, agent), decided one
+    after another in the order given under one hold of the target's lock: each sees what
+    the ones before it left, as if each had had its own transaction. Their rows and
+    events are written in one statement; a refused offer is answered its error and
+    changes nothing."""
+    first = cmds[0]
+    active, loaded = await tx.lock_target_state(first.project_id, first.to_agent)
+    target = _Target(first.project_id, first.to_agent, active, list(loaded))
+    answers: list[_Answer | DomainError] = []
+    for cmd in cmds:
+        try:
+            answers.append(_offer_one(target, cmd))
+        except DomainError as refusal:
+            answers.append(refusal)
+    written: dict[UUID, dict[str, Any]] = {}
+    if target.events:
+        written = await tx.write_offers(
+            first.project_id, first.to_agent, target.new, target.superseded, target.events
+        )
+    return [a if isinstance(a, DomainError) else a.reply(written) for a in answers]
+
+
+@dataclass
+class _Target:
+    """One target as the offers of a transaction find it and leave it: its activation, its
+    pending offers (oldest first), and what the decisions so far will write."""
+
+    project_id: str
+    agent: str
+    active: Activation | None
+    pending: list[Handoff | NewOffer]
+    new: list[NewOffer] = field(default_factory=list)
+    superseded: list[tuple[UUID, UUID]] = field(default_factory=list)  # existing rows: (id, by)
+    events: list[AppendEvent] = field(default_factory=list)
+
+    def create(self, session_id: UUID, from_agent: str, artifact_id: UUID | None) -> NewOffer:
+        """A new offer and its `handoff.offered` (the artifact is an event of the log: the
+        offer is its consequence)."""
+        new = NewOffer(uuid4(), self.project_id, session_id, from_agent, self.agent, artifact_id)
+        payload = HandoffOffered(
+            handoff_id=new.id,
+            from_agent=new.from_agent,
+            to_agent=new.to_agent,
+            artifact_id=new.artifact_id,
+        )
+        self.events.append(
+            announcement(
+                new.session_id,
+                EventType.HANDOFF_OFFERED,
+                f"agent:{new.from_agent}",
+                payload.model_dump(mode="json"),
+                causation_id=new.artifact_id,
+            )
+        )
+        self.new.append(new)
+        self.pending.append(new)
+        return new
+
+    def supersede(self, old: Handoff | NewOffer, by: UUID) -> None:
+        """ADR 0182 decision 1 for `old`, superseded by a new or kept offer."""
+        self.events.append(superseded_event(old, "nova_oferta", by))
+        self.pending.remove(old)
+        if isinstance(old, NewOffer):
+            old.status, old.superseded_by = Status.SUPERSEDED.value, by
+        else:
+            self.superseded.append((old.id, by))
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """An offer's reply, but for the rows the transaction has yet to write."""
+
+    outcome: str
+    current: Handoff | NewOffer | None
+    skipped: str | None = None
+
+    def reply(self, written: Mapping[UUID, dict[str, Any]]) -> OfferReply:
+        """The reply, naming the offer as it was when this one was decided: a row written
+        now is `offered`, unchanged, even if a later offer of the same write superseded it."""
+        current = self.current
+        if isinstance(current, NewOffer):
+            row = written[current.id]
+            as_decided = {"status": Status.OFFERED.value, "superseded_by": None}
+            current = Handoff.model_validate(row | as_decided | {"updated_at": row["created_at"]})
+        return OfferReply(handoff=current, outcome=self.outcome, skipped=self.skipped)
+
+
+def _offer_one(target: _Target, cmd: OfferHandoff) -> _Answer:
+    """One offer's decision against the target as the offers before it left it."""
+    pending = target.pending
     if cmd.mode == "if_absent":
-        reason = skip_reason(active is not None, bool(pending))
+        reason = skip_reason(target.active is not None, bool(pending))
         if reason is not None:
-            current = pending[-1] if pending else None
-            return OfferReply(handoff=current, outcome="ja_oferecido", skipped=reason.value)
-    if active is not None:
-        raise already_active(cmd.project_id, cmd.to_agent, active.session_id)
+            return _Answer("ja_oferecido", pending[-1] if pending else None, reason.value)
+    if target.active is not None:
+        raise already_active(cmd.project_id, cmd.to_agent, target.active.session_id)
     by_id = {h.id: h for h in pending}
     decision = decide_offer(
         [PendingOffer(h.id, h.session_id, h.artifact_id) for h in pending],
         cmd.session_id,
         cmd.artifact_id,
     )
+    current: Handoff | NewOffer
     if decision.creates:
-        # The new offer and the ones it supersedes in one statement.
-        current = await _create(
-            tx,
-            cmd.project_id,
-            cmd.session_id,
-            cmd.from_agent,
-            cmd.to_agent,
-            cmd.artifact_id,
-            [by_id[old] for old in decision.supersede],
-        )
+        current = target.create(cmd.session_id, cmd.from_agent, cmd.artifact_id)
     else:
         assert decision.kept is not None
         current = by_id[decision.kept]
-        for old in decision.supersede:
-            await supersede(tx, by_id[old], "nova_oferta", current.id)
-    return OfferReply(handoff=current, outcome=decision.outcome.value)
+    for old in decision.supersede:
+        target.supersede(by_id[old], current.id)
+    return _Answer(decision.outcome.value, current)
 
 
 async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
@@ -101,16 +184,12 @@ async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
                 )
             )
             continue
-        offered.append(
-            await _create(
-                tx,
-                cmd.project_id,
-                cmd.session_id,
-                cmd.from_agent,
-                target.to_agent,
-                target.artifact_id,
-            )
+        state = _Target(cmd.project_id, target.to_agent, active, list(pending))
+        new = state.create(cmd.session_id, cmd.from_agent, target.artifact_id)
+        written = await tx.write_offers(
+            cmd.project_id, target.to_agent, state.new, state.superseded, state.events
         )
+        offered.append(Handoff.model_validate(written[new.id]))
     outcome: Literal["created", "ja_oferecido"] = "created" if offered else "ja_oferecido"
     return OfferManyReply(outcome=outcome, offered=offered, jaAtendidos=served)
 
@@ -192,7 +271,7 @@ async def supersede(
 
 
 def superseded_event(
-    old: Handoff, motivo: Literal["agente_ativado", "nova_oferta"], by: UUID | None
+    old: Handoff | NewOffer, motivo: Literal["agente_ativado", "nova_oferta"], by: UUID | None
 ) -> AppendEvent:
     """The `handoff.superseded` of `old`, refused when `old` may not be superseded."""
     assert_transition(old.id, Status(old.status), Status.SUPERSEDED)
@@ -214,34 +293,6 @@ def session_closed(session_id: UUID) -> DomainError:
         f"session {session_id} is closed; its handoffs can no longer be accepted and no "
         "agent can be activated in it",
         session_id=str(session_id),
-    )
-
-
-async def _create(
-    tx: HandoffTransaction,
-    project_id: str,
-    session_id: UUID,
-    from_agent: str,
-    to_agent: str,
-    artifact_id: UUID | None,
-    superseding: Sequence[Handoff] = (),
-) -> Handoff:
-    """A new offer, superseding `superseding` (ADR 0182 decision 2), with every event."""
-    handoff_id = uuid4()
-    payload = HandoffOffered(
-        handoff_id=handoff_id, from_agent=from_agent, to_agent=to_agent, artifact_id=artifact_id
-    )
-    # The artifact is an event of the log: the offer is its consequence.
-    announce = announcement(
-        session_id,
-        EventType.HANDOFF_OFFERED,
-        f"agent:{from_agent}",
-        payload.model_dump(mode="json"),
-        causation_id=artifact_id,
-    )
-    superseded = [(old.id, superseded_event(old, "nova_oferta", handoff_id)) for old in superseding]
-    return await tx.insert_handoff(
-        handoff_id, project_id, session_id, from_agent, to_agent, artifact_id, announce, superseded
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -23,6 +24,21 @@ HANDOFF_COLUMNS = (
     "created_at, updated_at, superseded_by"
 )
 ACTIVATION_COLUMNS = "project_id, session_id, agent, via, handoff_id, activated_at"
+
+
+@dataclass
+class NewOffer:
+    """An offer decided in the current transaction and not yet written: its row is
+    inserted with the status the transaction's later decisions leave it in."""
+
+    id: UUID
+    project_id: str
+    session_id: UUID
+    from_agent: str
+    to_agent: str
+    artifact_id: UUID | None
+    status: str = Status.OFFERED.value
+    superseded_by: UUID | None = None
 
 
 def handoff_not_found(handoff_id: UUID) -> DomainError:
@@ -115,41 +131,50 @@ class HandoffTransaction:
             )
         )
 
-    async def insert_handoff(
+    async def write_offers(
         self,
-        handoff_id: UUID,
         project_id: str,
-        session_id: UUID,
-        from_agent: str,
         to_agent: str,
-        artifact_id: UUID | None,
-        announce: AppendEvent,
-        superseded: Sequence[tuple[UUID, AppendEvent]] = (),
-    ) -> Handoff:
-        """Insert an offer, supersede the pending offers given (by it), and queue their
-        events, the offer's first: one statement, one round trip under the lock."""
+        new: Sequence[NewOffer],
+        superseded: Sequence[tuple[UUID, UUID]],
+        events: Sequence[AppendEvent],
+    ) -> dict[UUID, dict[str, Any]]:
+        """Insert the new offers to one target (each with the status the transaction's
+        decisions left it in), supersede the pending offers given (`(id, by)`), and queue
+        their events in the order given: one statement, one round trip under the lock.
+        Returns the inserted rows by id."""
         rows = await Outbox(self._conn).append_many_with(
             f"""h AS (
                     INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
-                                          artifact_id, status)
-                    VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS}),
+                                          artifact_id, status, superseded_by)
+                    SELECT n.id, $2, n.session_id, n.from_agent, $3, n.artifact_id, n.status,
+                           n.superseded_by
+                      FROM unnest($1::uuid[], $4::uuid[], $5::text[], $6::uuid[], $7::text[],
+                                  $8::uuid[])
+                           AS n(id, session_id, from_agent, artifact_id, status, superseded_by)
+                    RETURNING {HANDOFF_COLUMNS}),
                 old AS (
-                    UPDATE handoffs SET status = 'superseded', superseded_by = $1,
-                                        updated_at = now()
-                     WHERE id = ANY($7::uuid[]) AND status = 'offered' RETURNING id)""",
+                    UPDATE handoffs o SET status = 'superseded', superseded_by = s.by,
+                                          updated_at = now()
+                      FROM unnest($9::uuid[], $10::uuid[]) AS s(id, by)
+                     WHERE o.id = s.id AND o.status = 'offered' RETURNING o.id)""",
             [
-                handoff_id,
+                [n.id for n in new],
                 project_id,
-                session_id,
-                from_agent,
                 to_agent,
-                artifact_id,
+                [n.session_id for n in new],
+                [n.from_agent for n in new],
+                [n.artifact_id for n in new],
+                [n.status for n in new],
+                [n.superseded_by for n in new],
                 [old for old, _ in superseded],
+                [by for _, by in superseded],
             ],
-            [announce, *(event for _, event in superseded)],
-            returning="h",
+            events,
+            # Without a new row, `h` is empty and a tail reading it would skip the wake-up.
+            returning="h" if new else "",
         )
-        return Handoff.model_validate(rows[0])
+        return {row["id"]: row for row in rows}
 
     async def set_status(
         self,
