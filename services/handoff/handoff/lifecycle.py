@@ -52,42 +52,59 @@ LIFECYCLE_ACTOR = "system:handoff-lifecycle"
 
 
 async def offer_together(
-    tx: HandoffTransaction, cmds: Sequence[OfferHandoff]
-) -> list[OfferReply | DomainError]:
-    """ADR 0182 decisions 2, 4 and 7 for offers to one target (project, agent), decided one
-    after another in the order given under one hold of the target's lock: each sees what
-    the ones before it left, as if each had had its own transaction. Their rows and
-    events are written in one statement; a refused offer is answered its error and
-    changes nothing."""
-    first = cmds[0]
-    active, loaded = await tx.lock_target_state(first.project_id, first.to_agent)
-    target = _Target(first.project_id, first.to_agent, active, list(loaded))
-    answers: list[_Answer | DomainError] = []
+    tx: HandoffTransaction, cmds: Sequence[OfferHandoff], wait: bool = True
+) -> list[OfferReply | DomainError | None]:
+    """ADR 0182 decisions 2, 4 and 7 for offers (to any targets), under one hold of their
+    targets' locks: the offers to a target are decided one after another in the order
+    given, each against what the ones before it left, as if each had had its own
+    transaction. Every row and event is written in one statement; a refused offer is
+    answered its error and changes nothing. With `wait` false the targets whose lock is
+    held elsewhere are not waited for: their offers are answered None, undecided."""
+    # Sorted, so two transactions take the target locks in one order.
+    keys = sorted({(cmd.project_id, cmd.to_agent) for cmd in cmds})
+    states = await tx.lock_targets_state(keys, wait)
+    writes = _Writes()
+    targets = {
+        key: _Target(*key, state.active, list(state.pending), writes)
+        for key, state in states.items()
+        if state is not None
+    }
+    answers: list[_Answer | DomainError | None] = []
     for cmd in cmds:
+        target = targets.get((cmd.project_id, cmd.to_agent))
         try:
-            answers.append(_offer_one(target, cmd))
+            answers.append(None if target is None else _offer_one(target, cmd))
         except DomainError as refusal:
             answers.append(refusal)
-    written: dict[UUID, dict[str, Any]] = {}
-    if target.events:
-        written = await tx.write_offers(
-            first.project_id, first.to_agent, target.new, target.superseded, target.events
-        )
-    return [a if isinstance(a, DomainError) else a.reply(written) for a in answers]
+    written = await writes.write(tx)
+    return [a.reply(written) if isinstance(a, _Answer) else a for a in answers]
+
+
+@dataclass
+class _Writes:
+    """What the decisions of one transaction write, in the order decided."""
+
+    new: list[NewOffer] = field(default_factory=list)
+    superseded: list[tuple[UUID, UUID]] = field(default_factory=list)  # existing rows: (id, by)
+    events: list[AppendEvent] = field(default_factory=list)
+
+    async def write(self, tx: HandoffTransaction) -> dict[UUID, dict[str, Any]]:
+        """Write it all in one statement (nothing when nothing was decided); the new rows."""
+        if not self.events:
+            return {}
+        return await tx.write_offers(self.new, self.superseded, self.events)
 
 
 @dataclass
 class _Target:
-    """One target as the offers of a transaction find it and leave it: its activation, its
-    pending offers (oldest first), and what the decisions so far will write."""
+    """One target as the offers of a transaction find it and leave it: its activation and
+    its pending offers (oldest first)."""
 
     project_id: str
     agent: str
     active: Activation | None
     pending: list[Handoff | NewOffer]
-    new: list[NewOffer] = field(default_factory=list)
-    superseded: list[tuple[UUID, UUID]] = field(default_factory=list)  # existing rows: (id, by)
-    events: list[AppendEvent] = field(default_factory=list)
+    writes: _Writes
 
     def create(self, session_id: UUID, from_agent: str, artifact_id: UUID | None) -> NewOffer:
         """A new offer and its `handoff.offered` (the artifact is an event of the log: the
@@ -99,7 +116,7 @@ class _Target:
             to_agent=new.to_agent,
             artifact_id=new.artifact_id,
         )
-        self.events.append(
+        self.writes.events.append(
             announcement(
                 new.session_id,
                 EventType.HANDOFF_OFFERED,
@@ -108,18 +125,18 @@ class _Target:
                 causation_id=new.artifact_id,
             )
         )
-        self.new.append(new)
+        self.writes.new.append(new)
         self.pending.append(new)
         return new
 
     def supersede(self, old: Handoff | NewOffer, by: UUID) -> None:
         """ADR 0182 decision 1 for `old`, superseded by a new or kept offer."""
-        self.events.append(superseded_event(old, "nova_oferta", by))
+        self.writes.events.append(superseded_event(old, "nova_oferta", by))
         self.pending.remove(old)
         if isinstance(old, NewOffer):
             old.status, old.superseded_by = Status.SUPERSEDED.value, by
         else:
-            self.superseded.append((old.id, by))
+            self.writes.superseded.append((old.id, by))
 
 
 @dataclass(frozen=True)
@@ -169,27 +186,29 @@ def _offer_one(target: _Target, cmd: OfferHandoff) -> _Answer:
 
 async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
     """ADR 0182 decision 6: only the targets not yet served are offered; idempotent."""
-    offered: list[Handoff] = []
     served: list[AlreadyServed] = []
     # Sorted, so two concurrent multi-target offers take the target locks in one order.
-    for target in sorted(cmd.targets, key=lambda t: t.to_agent):
-        active, pending = await tx.lock_target_state(cmd.project_id, target.to_agent)
-        reason = skip_reason(active is not None, bool(pending))
+    ordered = sorted(cmd.targets, key=lambda t: t.to_agent)
+    states = await tx.lock_targets_state([(cmd.project_id, t.to_agent) for t in ordered])
+    writes = _Writes()
+    created: list[NewOffer] = []
+    for target in ordered:
+        state = states[(cmd.project_id, target.to_agent)]
+        assert state is not None  # waited for
+        reason = skip_reason(state.active is not None, bool(state.pending))
         if reason is not None:
             served.append(
                 AlreadyServed(
                     to_agent=target.to_agent,
                     motivo=reason.value,
-                    handoff_id=pending[-1].id if pending else None,
+                    handoff_id=state.pending[-1].id if state.pending else None,
                 )
             )
             continue
-        state = _Target(cmd.project_id, target.to_agent, active, list(pending))
-        new = state.create(cmd.session_id, cmd.from_agent, target.artifact_id)
-        written = await tx.write_offers(
-            cmd.project_id, target.to_agent, state.new, state.superseded, state.events
-        )
-        offered.append(Handoff.model_validate(written[new.id]))
+        offer = _Target(cmd.project_id, target.to_agent, None, [], writes)
+        created.append(offer.create(cmd.session_id, cmd.from_agent, target.artifact_id))
+    written = await writes.write(tx)
+    offered = [Handoff.model_validate(written[new.id]) for new in created]
     outcome: Literal["created", "ja_oferecido"] = "created" if offered else "ja_oferecido"
     return OfferManyReply(outcome=outcome, offered=offered, jaAtendidos=served)
 

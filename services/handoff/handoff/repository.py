@@ -41,6 +41,15 @@ class NewOffer:
     superseded_by: UUID | None = None
 
 
+@dataclass(frozen=True)
+class TargetState:
+    """A target as its lock holder reads it: the agent's activation in an open session of
+    the project, if any, and its `offered` handoffs, oldest first."""
+
+    active: Activation | None
+    pending: list[Handoff]
+
+
 def handoff_not_found(handoff_id: UUID) -> DomainError:
     return DomainError(
         ErrorCode.HANDOFF_NOT_FOUND,
@@ -80,18 +89,29 @@ class HandoffTransaction:
         )
         return [Handoff.model_validate(dict(r)) for r in rows]
 
-    async def lock_target_state(
-        self, project_id: str, agent: str
-    ) -> tuple[Activation | None, list[Handoff]]:
-        """`lock_target`, then the agent's activation in an open session of the project, if
-        any, and `pending`: one round trip, read after the lock was granted (the function
-        of migration 0002 says why it is a function; bench/handoff.py measures why)."""
-        row = await self._conn.fetchrow(
-            "SELECT * FROM lock_target_state($1, $2)", project_id, agent
+    async def lock_targets_state(
+        self, targets: Sequence[tuple[str, str]], wait: bool = True
+    ) -> dict[tuple[str, str], TargetState | None]:
+        """`lock_target` for each (project, agent) in the order given (sort them), then
+        the agent's activation in an open session of the project, if any, and `pending`:
+        one round trip, each read after its lock was granted (migration 0002 says why it
+        is a function). With `wait` false a target whose lock is held elsewhere is not
+        waited for: it maps to None."""
+        rows = await self._conn.fetch(
+            "SELECT * FROM lock_targets_state($1::text[], $2::text[], $3)",
+            [project for project, _ in targets],
+            [agent for _, agent in targets],
+            wait,
         )
-        assert row is not None
-        active = Activation.model_validate(row["active"]) if row["active"] else None
-        return active, [Handoff.model_validate(h) for h in row["pending"]]
+        return {
+            (r["project"], r["target"]): TargetState(
+                Activation.model_validate(r["active"]) if r["active"] else None,
+                [Handoff.model_validate(h) for h in r["pending"]],
+            )
+            if r["locked"]
+            else None
+            for r in rows
+        }
 
     async def activation_in(self, session_id: UUID, agent: str) -> Activation | None:
         """The agent's activation in this session, if it is still active."""
@@ -133,25 +153,20 @@ class HandoffTransaction:
 
     async def write_offers(
         self,
-        project_id: str,
-        to_agent: str,
         new: Sequence[NewOffer],
         superseded: Sequence[tuple[UUID, UUID]],
         events: Sequence[AppendEvent],
     ) -> dict[UUID, dict[str, Any]]:
-        """Insert the new offers to one target (each with the status the transaction's
-        decisions left it in), supersede the pending offers given (`(id, by)`), and queue
-        their events in the order given: one statement, one round trip under the lock.
-        Returns the inserted rows by id."""
+        """Insert the new offers (each with the status the transaction's decisions left it
+        in), supersede the pending offers given (`(id, by)`), and queue their events in
+        the order given: one statement, one round trip under the locks. Returns the
+        inserted rows by id."""
         rows = await Outbox(self._conn).append_many_with(
             f"""h AS (
                     INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
                                           artifact_id, status, superseded_by)
-                    SELECT n.id, $2, n.session_id, n.from_agent, $3, n.artifact_id, n.status,
-                           n.superseded_by
-                      FROM unnest($1::uuid[], $4::uuid[], $5::text[], $6::uuid[], $7::text[],
-                                  $8::uuid[])
-                           AS n(id, session_id, from_agent, artifact_id, status, superseded_by)
+                    SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[],
+                                         $5::text[], $6::uuid[], $7::text[], $8::uuid[])
                     RETURNING {HANDOFF_COLUMNS}),
                 old AS (
                     UPDATE handoffs o SET status = 'superseded', superseded_by = s.by,
@@ -160,10 +175,10 @@ class HandoffTransaction:
                      WHERE o.id = s.id AND o.status = 'offered' RETURNING o.id)""",
             [
                 [n.id for n in new],
-                project_id,
-                to_agent,
+                [n.project_id for n in new],
                 [n.session_id for n in new],
                 [n.from_agent for n in new],
+                [n.to_agent for n in new],
                 [n.artifact_id for n in new],
                 [n.status for n in new],
                 [n.superseded_by for n in new],

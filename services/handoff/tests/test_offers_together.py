@@ -20,16 +20,19 @@ from servicekit.db import create_pool
 
 from .conftest import Driver
 
-# (session, artifact, mode) of each offer to `po`, in order: a first offer, its double
-# click, another session's (superseding one of this very transaction), an if_absent, a
-# new artifact in the same session, its repeat.
+# (session, target, artifact, mode) of each offer, in order: to `po` a first offer, its
+# double click, another session's (superseding one of this very transaction), an
+# if_absent, a new artifact in the same session, its repeat; to `arquiteto`, in between,
+# a first offer and another session's.
 OFFERS = [
-    ("a", None, "replace"),
-    ("a", None, "replace"),
-    ("b", None, "replace"),
-    ("c", None, "if_absent"),
-    ("b", "x", "replace"),
-    ("b", "x", "replace"),
+    ("a", "po", None, "replace"),
+    ("a", "po", None, "replace"),
+    ("c", "arquiteto", None, "replace"),
+    ("b", "po", None, "replace"),
+    ("c", "po", None, "if_absent"),
+    ("a", "arquiteto", None, "replace"),
+    ("b", "po", "x", "replace"),
+    ("b", "po", "x", "replace"),
 ]
 
 
@@ -48,20 +51,22 @@ async def commands(bus: Driver, project: str) -> list[OfferHandoff]:
             project_id=project,
             session_id=sessions[s],
             from_agent="criativo",
-            to_agent="po",
+            to_agent=to,
             artifact_id=artifacts[a] if a else None,
             mode=mode,
         )
-        for s, a, mode in OFFERS
+        for s, to, a, mode in OFFERS
     ]
 
 
 async def outcome(
-    bus: Driver, cmds: Sequence[OfferHandoff], replies: Sequence[OfferReply | DomainError]
+    bus: Driver,
+    cmds: Sequence[OfferHandoff],
+    replies: Sequence[OfferReply | DomainError | None],
 ) -> dict[str, Any]:
     """Replies, rows and each session's events, with ids and sessions named by role."""
     names: dict[uuid.UUID | None, str | None] = {None: None}
-    for s, cmd in zip("aabcbb", cmds, strict=True):
+    for (s, *_), cmd in zip(OFFERS, cmds, strict=True):
         names[cmd.session_id] = s
     for r in replies:
         if isinstance(r, OfferReply) and r.handoff is not None:
@@ -71,9 +76,7 @@ async def outcome(
         return names[uuid.UUID(value) if isinstance(value, str) else value]
 
     project = cmds[0].project_id
-    rows = await bus.db.fetch(
-        "SELECT * FROM handoff.handoffs WHERE project_id = $1 AND to_agent = 'po'", project
-    )
+    rows = await bus.db.fetch("SELECT * FROM handoff.handoffs WHERE project_id = $1", project)
     events = {}
     for session_id in {c.session_id for c in cmds}:
         events[name(session_id)] = [
@@ -85,11 +88,12 @@ async def outcome(
         "replies": [
             (r.outcome, r.skipped, r.handoff and (name(r.handoff.id), r.handoff.status,
              name(r.handoff.superseded_by), name(r.handoff.session_id)))
-            if isinstance(r, OfferReply) else r.code
+            if isinstance(r, OfferReply) else r and r.code
             for r in replies
         ],
         "rows": sorted(
-            (name(r["id"]), r["status"], name(r["superseded_by"]), name(r["session_id"]))
+            (name(r["id"]), r["to_agent"], r["status"], name(r["superseded_by"]),
+             name(r["session_id"]))
             for r in rows
         ),
         "events": events,
@@ -100,7 +104,7 @@ async def test_offers_decided_together_end_as_offers_decided_one_by_one(
     bus: Driver, repo: HandoffRepository
 ) -> None:
     one_by_one = await commands(bus, f"{bus.project}-one")
-    replies: list[OfferReply | DomainError] = []
+    replies: list[OfferReply | DomainError | None] = []
     for cmd in one_by_one:
         async with repo.transaction() as tx:
             replies += await lifecycle.offer_together(tx, [cmd])
@@ -115,12 +119,14 @@ async def test_offers_decided_together_end_as_offers_decided_one_by_one(
     assert [r[0] for r in expected["replies"]] == [
         "created",
         "ja_oferecido",
+        "created",
         "substituiu_oferta",
         "ja_oferecido",
+        "substituiu_oferta",
         "substituiu_oferta",
         "ja_oferecido",
     ]
-    assert [r[1] for r in expected["rows"]].count("offered") == 1
+    assert sorted(r[1] for r in expected["rows"] if r[2] == "offered") == ["arquiteto", "po"]
 
 
 async def test_each_offer_decided_together_gets_its_own_answer(
@@ -138,7 +144,7 @@ async def test_each_offer_decided_together_gets_its_own_answer(
         HandoffDecision(handoff_id=pending.handoff.id, session_id=s, actor="user:ana"),
         AcceptReply,
     )
-    replace, if_absent = (await commands(bus, project))[2:4]
+    replace, if_absent = (await commands(bus, project))[3:5]
     rows_before = await bus.db.fetch(
         "SELECT * FROM handoff.handoffs WHERE project_id = $1", project
     )
@@ -151,3 +157,25 @@ async def test_each_offer_decided_together_gets_its_own_answer(
     assert skipped.handoff is None
     rows = await bus.db.fetch("SELECT * FROM handoff.handoffs WHERE project_id = $1", project)
     assert rows == rows_before
+
+
+async def test_without_waiting_a_target_whose_lock_is_held_is_left_undecided(
+    bus: Driver, repo: HandoffRepository
+) -> None:
+    """The shared transaction waits for no lock: the offer to the held target is answered
+    None (it then waits in a transaction of its own), the other one is decided."""
+    project = f"{bus.project}-held"
+    to_po, to_arquiteto = (await commands(bus, project))[1:3]
+    async with bus.db.acquire() as holder, holder.transaction():
+        await holder.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"handoff:{project}:po"
+        )
+        async with repo.transaction() as tx:
+            left, decided = await lifecycle.offer_together(tx, [to_po, to_arquiteto], wait=False)
+
+    assert left is None
+    assert isinstance(decided, OfferReply) and decided.outcome == "created"
+    rows = await bus.db.fetch(
+        "SELECT to_agent FROM handoff.handoffs WHERE project_id = $1", project
+    )
+    assert [r["to_agent"] for r in rows] == ["arquiteto"]
