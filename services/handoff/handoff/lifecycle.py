@@ -191,22 +191,26 @@ async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
     ordered = sorted(cmd.targets, key=lambda t: t.to_agent)
     states = await tx.lock_targets_state([(cmd.project_id, t.to_agent) for t in ordered])
     writes = _Writes()
+    targets = {
+        key: _Target(*key, state.active, list(state.pending), writes)
+        for key, state in states.items()
+        if state is not None  # all of them: waited for
+    }
     created: list[NewOffer] = []
-    for target in ordered:
-        state = states[(cmd.project_id, target.to_agent)]
-        assert state is not None  # waited for
-        reason = skip_reason(state.active is not None, bool(state.pending))
+    for offer in ordered:
+        # A target named twice finds the offer made to it the first time.
+        target = targets[(cmd.project_id, offer.to_agent)]
+        reason = skip_reason(target.active is not None, bool(target.pending))
         if reason is not None:
             served.append(
                 AlreadyServed(
-                    to_agent=target.to_agent,
+                    to_agent=offer.to_agent,
                     motivo=reason.value,
-                    handoff_id=state.pending[-1].id if state.pending else None,
+                    handoff_id=target.pending[-1].id if target.pending else None,
                 )
             )
             continue
-        offer = _Target(cmd.project_id, target.to_agent, None, [], writes)
-        created.append(offer.create(cmd.session_id, cmd.from_agent, target.artifact_id))
+        created.append(target.create(cmd.session_id, cmd.from_agent, offer.artifact_id))
     written = await writes.write(tx)
     offered = [Handoff.model_validate(written[new.id]) for new in created]
     outcome: Literal["created", "ja_oferecido"] = "created" if offered else "ja_oferecido"

@@ -395,16 +395,20 @@ async def test_an_accepted_handoff_completes(bus: Driver) -> None:
 # --- offer_many and if_absent (decisions 6 and 7) ----------------------------------------
 
 
-async def test_offer_many_twice_offers_only_what_is_missing(bus: Driver) -> None:
-    s = await bus.open()
+async def offer_many(bus: Driver, s: uuid.UUID, src: str, *targets: str) -> OfferManyReply:
     request = OfferMany(
         project_id=bus.project,
         session_id=s,
-        from_agent="arquiteto",
-        targets=[OfferTarget(to_agent="infra"), OfferTarget(to_agent="dev-lead")],
+        from_agent=src,
+        targets=[OfferTarget(to_agent=t) for t in targets],
     )
-    first = await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
-    second = await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
+    return await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
+
+
+async def test_offer_many_twice_offers_only_what_is_missing(bus: Driver) -> None:
+    s = await bus.open()
+    first = await offer_many(bus, s, "arquiteto", "infra", "dev-lead")
+    second = await offer_many(bus, s, "arquiteto", "infra", "dev-lead")
 
     assert first.outcome == "created"
     assert sorted(h.to_agent for h in first.offered) == ["dev-lead", "infra"]
@@ -424,9 +428,19 @@ async def test_offer_many_twice_offers_only_what_is_missing(bus: Driver) -> None
         ),
         HandoffReply,
     )
-    third = await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
+    third = await offer_many(bus, s, "arquiteto", "infra", "dev-lead")
     assert [h.to_agent for h in third.offered] == ["dev-lead"]  # only the missing one
     assert [(s.to_agent, s.motivo) for s in third.jaAtendidos] == [("infra", "agente_ja_ativo")]
+
+
+async def test_offer_many_naming_a_target_twice_offers_it_once(bus: Driver) -> None:
+    reply = await offer_many(bus, await bus.open(), "criativo", "po", "po")
+
+    [offered] = reply.offered
+    assert [(a.to_agent, a.motivo, a.handoff_id) for a in reply.jaAtendidos] == [
+        ("po", "ja_oferecido", offered.id)
+    ]
+    assert [r["id"] for r in await bus.rows("po")] == [offered.id]
 
 
 async def test_if_absent_offers_only_to_a_target_neither_offered_nor_active(bus: Driver) -> None:
