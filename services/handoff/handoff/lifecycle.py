@@ -3,7 +3,9 @@
 Locks, always taken in this order so two decisions never deadlock: the session's
 (activations against its closing), then the target's
 (`pg_advisory_xact_lock(hashtextextended('handoff:<project>:<target>', 0))`, ADR 0182
-decision 3). Every status change of a handoff happens under its target's lock.
+decision 3); several targets' in sorted (project, target) order. Every status change
+of a handoff happens under its target's lock. Offers are decided many to a transaction
+(`offer_together`, fed by `handoff.batching`), each as if it had had its own.
 """
 
 from __future__ import annotations
