@@ -25,7 +25,7 @@ row, the outbox drained, and the log holds one `handoff.offered` event per hando
 
 Goal (issue 12): offer-1t and offer-<T>t ≥ 0.5× their baseline; the script exits 1 when a
 goal is missed or a check fails. `--py-spy DIR` profiles the handoff and session_events
-processes during offer-1t and prints their top frames.
+processes during one scenario (`--profile`, offer-1t by default) and prints their top frames.
 
     .venv/bin/python bench/handoff.py [--duration 5] [--clients 64] [--targets 50] [--json]
 """
@@ -287,7 +287,7 @@ async def measure(args: argparse.Namespace, srv: Servers) -> tuple[list[Row], di
         ]
         rows: list[Row] = []
         for scenario, targets, op, baseline in plan:
-            spied = Path(args.py_spy) if args.py_spy and scenario == "offer-1t" else None
+            spied = Path(args.py_spy) if args.py_spy and scenario == args.profile else None
             rows.append(await bench.run(scenario, targets, op, baseline is not None, spied))
             rows[-1].baseline = baseline
         await bench.drained()
@@ -381,6 +381,9 @@ def main() -> None:
     parser.add_argument("--targets", type=int, default=50, help="targets of the spread case")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     parser.add_argument("--py-spy", metavar="DIR", help="profile the services into DIR")
+    parser.add_argument(
+        "--profile", default="offer-1t", metavar="SCENARIO", help="the scenario --py-spy profiles"
+    )
     args = parser.parse_args()
     before = load_average()
     with servers() as srv:
@@ -389,7 +392,7 @@ def main() -> None:
     text, ok = report(rows, result, load)
     print(text)
     for module in SERVICES if args.py_spy else ():
-        print(f"\npy-spy, {module} during offer-1t:")
+        print(f"\npy-spy, {module} during {args.profile}:")
         print("\n".join(top_frames(Path(args.py_spy) / f"{module}.txt")))
     if args.json:
         results = [asdict(r) | {"ops_per_s": r.rate} for r in rows]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from handoff.batching import OfferBatcher
 from handoff.directory import SessionDirectory
 from handoff.handlers import CLOSINGS, SERVICE, svc
 from handoff.repository import HandoffRepository
@@ -17,9 +18,11 @@ async def main(settings: ServiceSettings | None = None) -> None:
     """Serve the handoff commands, relay its events to the log, follow session closings."""
     async with svc.open(settings or ServiceSettings()) as rt:
         relay = rt.relay(LogAppender(rt.nc))
+        repo = HandoffRepository(rt.pool)
         await svc.serve(
             rt,
-            repo=HandoffRepository(rt.pool),
+            repo=repo,
+            offers=OfferBatcher(repo),
             sessions=SessionDirectory(SessionLogClient(rt.nc)),
             relay=relay,
         )

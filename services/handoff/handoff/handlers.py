@@ -29,6 +29,7 @@ from contracts.handoff import (
 from domain.errors import DomainError
 from domain.handoff import catalogue_agent, check_handoff_target
 from handoff import lifecycle
+from handoff.batching import OfferBatcher
 from handoff.directory import OPEN_FOR_SECONDS, SessionDirectory
 from handoff.repository import HandoffRepository
 from servicekit.consumer import ConsumerSpec
@@ -51,15 +52,12 @@ svc = Service(
 
 
 @svc.command(subjects.HANDOFFS_OFFER)
-async def offer(
-    cmd: OfferHandoff, repo: HandoffRepository, sessions: SessionDirectory
-) -> OfferReply:
+async def offer(cmd: OfferHandoff, offers: OfferBatcher, sessions: SessionDirectory) -> OfferReply:
     check_handoff_target(cmd.from_agent, cmd.to_agent)
     await sessions.open_session(cmd.session_id, cmd.project_id, open_for=OPEN_FOR_SECONDS)
     if cmd.artifact_id is not None:
         await sessions.require_artifact(cmd.artifact_id, cmd.project_id)
-    async with repo.transaction() as tx:
-        return await lifecycle.offer(tx, cmd)
+    return await offers.offer(cmd)
 
 
 @svc.command(subjects.HANDOFFS_OFFER_MANY)

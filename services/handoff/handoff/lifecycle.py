@@ -3,13 +3,16 @@
 Locks, always taken in this order so two decisions never deadlock: the session's
 (activations against its closing), then the target's
 (`pg_advisory_xact_lock(hashtextextended('handoff:<project>:<target>', 0))`, ADR 0182
-decision 3). Every status change of a handoff happens under its target's lock.
+decision 3); several targets' in sorted (project, target) order. Every status change
+of a handoff happens under its target's lock. Offers are decided many to a transaction
+(`offer_together`, fed by `handoff.batching`), each as if it had had its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 from uuid import UUID, uuid4
 
 from contracts.common import ErrorCode
@@ -23,6 +26,7 @@ from contracts.events import (
 from contracts.handoff import (
     AcceptReply,
     ActivateAgent,
+    Activation,
     ActivationReply,
     AlreadyServed,
     Handoff,
@@ -44,75 +48,173 @@ from domain.handoff import (
     may_activate,
     skip_reason,
 )
-from handoff.repository import HandoffTransaction, announcement
+from handoff.repository import HandoffTransaction, NewOffer, announcement
 
 LIFECYCLE_ACTOR = "system:handoff-lifecycle"
 
 
-async def offer(tx: HandoffTransaction, cmd: OfferHandoff) -> OfferReply:
-    """ADR 0182 decisions 2, 4 and 7 for one target."""
-    await tx.lock_target(cmd.project_id, cmd.to_agent)
-    active, pending = await tx.target_state(cmd.project_id, cmd.to_agent)
+async def offer_together(
+    tx: HandoffTransaction, cmds: Sequence[OfferHandoff], wait: bool = True
+) -> list[OfferReply | DomainError | None]:
+    """ADR 0182 decisions 2, 4 and 7 for offers (to any targets), under one hold of their
+    targets' locks: the offers to a target are decided one after another in the order
+    given, each against what the ones before it left, as if each had had its own
+    transaction. Every row and event is written in one statement; a refused offer is
+    answered its error and changes nothing. With `wait` false the targets whose lock is
+    held elsewhere are not waited for: their offers are answered None, undecided."""
+    # Sorted, so two transactions take the target locks in one order.
+    keys = sorted({(cmd.project_id, cmd.to_agent) for cmd in cmds})
+    states = await tx.lock_targets_state(keys, wait)
+    writes = _Writes()
+    targets = {
+        key: _Target(*key, state.active, list(state.pending), writes)
+        for key, state in states.items()
+        if state is not None
+    }
+    answers: list[_Answer | DomainError | None] = []
+    for cmd in cmds:
+        target = targets.get((cmd.project_id, cmd.to_agent))
+        try:
+            answers.append(None if target is None else _offer_one(target, cmd))
+        except DomainError as refusal:
+            answers.append(refusal)
+    written = await writes.write(tx)
+    return [a.reply(written) if isinstance(a, _Answer) else a for a in answers]
+
+
+@dataclass
+class _Writes:
+    """What the decisions of one transaction write, in the order decided."""
+
+    new: list[NewOffer] = field(default_factory=list)
+    superseded: list[tuple[UUID, UUID]] = field(default_factory=list)  # existing rows: (id, by)
+    events: list[AppendEvent] = field(default_factory=list)
+
+    async def write(self, tx: HandoffTransaction) -> dict[UUID, dict[str, Any]]:
+        """Write it all in one statement (nothing when nothing was decided); the new rows."""
+        if not self.events:
+            return {}
+        return await tx.write_offers(self.new, self.superseded, self.events)
+
+
+@dataclass
+class _Target:
+    """One target as the offers of a transaction find it and leave it: its activation and
+    its pending offers (oldest first)."""
+
+    project_id: str
+    agent: str
+    active: Activation | None
+    pending: list[Handoff | NewOffer]
+    writes: _Writes
+
+    def create(self, session_id: UUID, from_agent: str, artifact_id: UUID | None) -> NewOffer:
+        """A new offer and its `handoff.offered` (the artifact is an event of the log: the
+        offer is its consequence)."""
+        new = NewOffer(uuid4(), self.project_id, session_id, from_agent, self.agent, artifact_id)
+        payload = HandoffOffered(
+            handoff_id=new.id,
+            from_agent=new.from_agent,
+            to_agent=new.to_agent,
+            artifact_id=new.artifact_id,
+        )
+        self.writes.events.append(
+            announcement(
+                new.session_id,
+                EventType.HANDOFF_OFFERED,
+                f"agent:{new.from_agent}",
+                payload.model_dump(mode="json"),
+                causation_id=new.artifact_id,
+            )
+        )
+        self.writes.new.append(new)
+        self.pending.append(new)
+        return new
+
+    def supersede(self, old: Handoff | NewOffer, by: UUID) -> None:
+        """ADR 0182 decision 1 for `old`, superseded by a new or kept offer."""
+        self.writes.events.append(superseded_event(old, "nova_oferta", by))
+        self.pending.remove(old)
+        if isinstance(old, NewOffer):
+            old.status, old.superseded_by = Status.SUPERSEDED.value, by
+        else:
+            self.writes.superseded.append((old.id, by))
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """An offer's reply, but for the rows the transaction has yet to write."""
+
+    outcome: str
+    current: Handoff | NewOffer | None
+    skipped: str | None = None
+
+    def reply(self, written: Mapping[UUID, dict[str, Any]]) -> OfferReply:
+        """The reply, naming the offer as it was when this one was decided: a row written
+        now is `offered`, unchanged, even if a later offer of the same write superseded it."""
+        current = self.current
+        if isinstance(current, NewOffer):
+            row = written[current.id]
+            as_decided = {"status": Status.OFFERED.value, "superseded_by": None}
+            current = Handoff.model_validate(row | as_decided | {"updated_at": row["created_at"]})
+        return OfferReply(handoff=current, outcome=self.outcome, skipped=self.skipped)
+
+
+def _offer_one(target: _Target, cmd: OfferHandoff) -> _Answer:
+    """One offer's decision against the target as the offers before it left it."""
+    pending = target.pending
     if cmd.mode == "if_absent":
-        reason = skip_reason(active is not None, bool(pending))
+        reason = skip_reason(target.active is not None, bool(pending))
         if reason is not None:
-            current = pending[-1] if pending else None
-            return OfferReply(handoff=current, outcome="ja_oferecido", skipped=reason.value)
-    if active is not None:
-        raise already_active(cmd.project_id, cmd.to_agent, active.session_id)
+            return _Answer("ja_oferecido", pending[-1] if pending else None, reason.value)
+    if target.active is not None:
+        raise already_active(cmd.project_id, cmd.to_agent, target.active.session_id)
     by_id = {h.id: h for h in pending}
     decision = decide_offer(
         [PendingOffer(h.id, h.session_id, h.artifact_id) for h in pending],
         cmd.session_id,
         cmd.artifact_id,
     )
+    current: Handoff | NewOffer
     if decision.creates:
-        # The new offer and the ones it supersedes in one statement.
-        current = await _create(
-            tx,
-            cmd.project_id,
-            cmd.session_id,
-            cmd.from_agent,
-            cmd.to_agent,
-            cmd.artifact_id,
-            [by_id[old] for old in decision.supersede],
-        )
+        current = target.create(cmd.session_id, cmd.from_agent, cmd.artifact_id)
     else:
         assert decision.kept is not None
         current = by_id[decision.kept]
-        for old in decision.supersede:
-            await supersede(tx, by_id[old], "nova_oferta", current.id)
-    return OfferReply(handoff=current, outcome=decision.outcome.value)
+    for old in decision.supersede:
+        target.supersede(by_id[old], current.id)
+    return _Answer(decision.outcome.value, current)
 
 
 async def offer_many(tx: HandoffTransaction, cmd: OfferMany) -> OfferManyReply:
     """ADR 0182 decision 6: only the targets not yet served are offered; idempotent."""
-    offered: list[Handoff] = []
     served: list[AlreadyServed] = []
     # Sorted, so two concurrent multi-target offers take the target locks in one order.
-    for target in sorted(cmd.targets, key=lambda t: t.to_agent):
-        await tx.lock_target(cmd.project_id, target.to_agent)
-        active, pending = await tx.target_state(cmd.project_id, target.to_agent)
-        reason = skip_reason(active is not None, bool(pending))
+    ordered = sorted(cmd.targets, key=lambda t: t.to_agent)
+    states = await tx.lock_targets_state([(cmd.project_id, t.to_agent) for t in ordered])
+    writes = _Writes()
+    targets = {
+        key: _Target(*key, state.active, list(state.pending), writes)
+        for key, state in states.items()
+        if state is not None  # all of them: waited for
+    }
+    created: list[NewOffer] = []
+    for offer in ordered:
+        # A target named twice finds the offer made to it the first time.
+        target = targets[(cmd.project_id, offer.to_agent)]
+        reason = skip_reason(target.active is not None, bool(target.pending))
         if reason is not None:
             served.append(
                 AlreadyServed(
-                    to_agent=target.to_agent,
+                    to_agent=offer.to_agent,
                     motivo=reason.value,
-                    handoff_id=pending[-1].id if pending else None,
+                    handoff_id=target.pending[-1].id if target.pending else None,
                 )
             )
             continue
-        offered.append(
-            await _create(
-                tx,
-                cmd.project_id,
-                cmd.session_id,
-                cmd.from_agent,
-                target.to_agent,
-                target.artifact_id,
-            )
-        )
+        created.append(target.create(cmd.session_id, cmd.from_agent, offer.artifact_id))
+    written = await writes.write(tx)
+    offered = [Handoff.model_validate(written[new.id]) for new in created]
     outcome: Literal["created", "ja_oferecido"] = "created" if offered else "ja_oferecido"
     return OfferManyReply(outcome=outcome, offered=offered, jaAtendidos=served)
 
@@ -194,7 +296,7 @@ async def supersede(
 
 
 def superseded_event(
-    old: Handoff, motivo: Literal["agente_ativado", "nova_oferta"], by: UUID | None
+    old: Handoff | NewOffer, motivo: Literal["agente_ativado", "nova_oferta"], by: UUID | None
 ) -> AppendEvent:
     """The `handoff.superseded` of `old`, refused when `old` may not be superseded."""
     assert_transition(old.id, Status(old.status), Status.SUPERSEDED)
@@ -216,34 +318,6 @@ def session_closed(session_id: UUID) -> DomainError:
         f"session {session_id} is closed; its handoffs can no longer be accepted and no "
         "agent can be activated in it",
         session_id=str(session_id),
-    )
-
-
-async def _create(
-    tx: HandoffTransaction,
-    project_id: str,
-    session_id: UUID,
-    from_agent: str,
-    to_agent: str,
-    artifact_id: UUID | None,
-    superseding: Sequence[Handoff] = (),
-) -> Handoff:
-    """A new offer, superseding `superseding` (ADR 0182 decision 2), with every event."""
-    handoff_id = uuid4()
-    payload = HandoffOffered(
-        handoff_id=handoff_id, from_agent=from_agent, to_agent=to_agent, artifact_id=artifact_id
-    )
-    # The artifact is an event of the log: the offer is its consequence.
-    announce = announcement(
-        session_id,
-        EventType.HANDOFF_OFFERED,
-        f"agent:{from_agent}",
-        payload.model_dump(mode="json"),
-        causation_id=artifact_id,
-    )
-    superseded = [(old.id, superseded_event(old, "nova_oferta", handoff_id)) for old in superseding]
-    return await tx.insert_handoff(
-        handoff_id, project_id, session_id, from_agent, to_agent, artifact_id, announce, superseded
     )
 
 

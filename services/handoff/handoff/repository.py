@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -23,6 +24,30 @@ HANDOFF_COLUMNS = (
     "created_at, updated_at, superseded_by"
 )
 ACTIVATION_COLUMNS = "project_id, session_id, agent, via, handoff_id, activated_at"
+
+
+@dataclass
+class NewOffer:
+    """An offer decided in the current transaction and not yet written: its row is
+    inserted with the status the transaction's later decisions leave it in."""
+
+    id: UUID
+    project_id: str
+    session_id: UUID
+    from_agent: str
+    to_agent: str
+    artifact_id: UUID | None
+    status: str = Status.OFFERED.value
+    superseded_by: UUID | None = None
+
+
+@dataclass(frozen=True)
+class TargetState:
+    """A target as its lock holder reads it: the agent's activation in an open session of
+    the project, if any, and its `offered` handoffs, oldest first."""
+
+    active: Activation | None
+    pending: list[Handoff]
 
 
 def handoff_not_found(handoff_id: UUID) -> DomainError:
@@ -64,28 +89,29 @@ class HandoffTransaction:
         )
         return [Handoff.model_validate(dict(r)) for r in rows]
 
-    async def target_state(
-        self, project_id: str, agent: str
-    ) -> tuple[Activation | None, list[Handoff]]:
-        """The agent's activation in an open session of the project, if any, and `pending`:
-        one round trip, which the offer path reads under the target's lock
-        (bench/handoff.py measures why)."""
-        row = await self._conn.fetchrow(
-            f"""SELECT
-                  (SELECT to_jsonb(a) FROM (
-                     SELECT {ACTIVATION_COLUMNS} FROM activations
-                      WHERE project_id = $1 AND agent = $2 AND ended_at IS NULL
-                      ORDER BY activated_at LIMIT 1) a) AS active,
-                  (SELECT coalesce(jsonb_agg(to_jsonb(h) ORDER BY h.created_at, h.id), '[]')
-                     FROM (SELECT {HANDOFF_COLUMNS} FROM handoffs
-                            WHERE project_id = $1 AND to_agent = $2 AND status = 'offered') h)
-                    AS pending""",
-            project_id,
-            agent,
+    async def lock_targets_state(
+        self, targets: Sequence[tuple[str, str]], wait: bool = True
+    ) -> dict[tuple[str, str], TargetState | None]:
+        """`lock_target` for each (project, agent) in the order given (sort them), then
+        the agent's activation in an open session of the project, if any, and `pending`:
+        one round trip, each read after its lock was granted (migration 0002 says why it
+        is a function). With `wait` false a target whose lock is held elsewhere is not
+        waited for: it maps to None."""
+        rows = await self._conn.fetch(
+            "SELECT * FROM lock_targets_state($1::text[], $2::text[], $3)",
+            [project for project, _ in targets],
+            [agent for _, agent in targets],
+            wait,
         )
-        assert row is not None
-        active = Activation.model_validate(row["active"]) if row["active"] else None
-        return active, [Handoff.model_validate(h) for h in row["pending"]]
+        return {
+            (r["project"], r["target"]): TargetState(
+                Activation.model_validate(r["active"]) if r["active"] else None,
+                [Handoff.model_validate(h) for h in r["pending"]],
+            )
+            if r["locked"]
+            else None
+            for r in rows
+        }
 
     async def activation_in(self, session_id: UUID, agent: str) -> Activation | None:
         """The agent's activation in this session, if it is still active."""
@@ -125,41 +151,45 @@ class HandoffTransaction:
             )
         )
 
-    async def insert_handoff(
+    async def write_offers(
         self,
-        handoff_id: UUID,
-        project_id: str,
-        session_id: UUID,
-        from_agent: str,
-        to_agent: str,
-        artifact_id: UUID | None,
-        announce: AppendEvent,
-        superseded: Sequence[tuple[UUID, AppendEvent]] = (),
-    ) -> Handoff:
-        """Insert an offer, supersede the pending offers given (by it), and queue their
-        events, the offer's first: one statement, one round trip under the lock."""
+        new: Sequence[NewOffer],
+        superseded: Sequence[tuple[UUID, UUID]],
+        events: Sequence[AppendEvent],
+    ) -> dict[UUID, dict[str, Any]]:
+        """Insert the new offers (each with the status the transaction's decisions left it
+        in), supersede the pending offers given (`(id, by)`), and queue their events in
+        the order given: one statement, one round trip under the locks. Returns the
+        inserted rows by id."""
         rows = await Outbox(self._conn).append_many_with(
             f"""h AS (
                     INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
-                                          artifact_id, status)
-                    VALUES ($1, $2, $3, $4, $5, $6, 'offered') RETURNING {HANDOFF_COLUMNS}),
+                                          artifact_id, status, superseded_by)
+                    SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[],
+                                         $5::text[], $6::uuid[], $7::text[], $8::uuid[])
+                    RETURNING {HANDOFF_COLUMNS}),
                 old AS (
-                    UPDATE handoffs SET status = 'superseded', superseded_by = $1,
-                                        updated_at = now()
-                     WHERE id = ANY($7::uuid[]) AND status = 'offered' RETURNING id)""",
+                    UPDATE handoffs o SET status = 'superseded', superseded_by = s.by,
+                                          updated_at = now()
+                      FROM unnest($9::uuid[], $10::uuid[]) AS s(id, by)
+                     WHERE o.id = s.id AND o.status = 'offered' RETURNING o.id)""",
             [
-                handoff_id,
-                project_id,
-                session_id,
-                from_agent,
-                to_agent,
-                artifact_id,
+                [n.id for n in new],
+                [n.project_id for n in new],
+                [n.session_id for n in new],
+                [n.from_agent for n in new],
+                [n.to_agent for n in new],
+                [n.artifact_id for n in new],
+                [n.status for n in new],
+                [n.superseded_by for n in new],
                 [old for old, _ in superseded],
+                [by for _, by in superseded],
             ],
-            [announce, *(event for _, event in superseded)],
-            returning="h",
+            events,
+            # Without a new row, `h` is empty and a tail reading it would skip the wake-up.
+            returning="h" if new else "",
         )
-        return Handoff.model_validate(rows[0])
+        return {row["id"]: row for row in rows}
 
     async def set_status(
         self,

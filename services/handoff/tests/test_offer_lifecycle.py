@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 from nats.aio.client import Client
@@ -32,6 +34,7 @@ from .conftest import Driver, offered_id
 
 SUPERSEDED = EventType.HANDOFF_SUPERSEDED.value
 OFFERED = EventType.HANDOFF_OFFERED.value
+T = TypeVar("T")
 
 
 async def accept(bus: Driver, handoff_id: uuid.UUID, session_id: uuid.UUID) -> AcceptReply:
@@ -162,6 +165,69 @@ async def test_offers_to_different_targets_never_wait_on_each_other(bus: Driver)
         assert to_arquiteto.outcome == "created"
         assert not to_po.done()
     assert (await to_po).outcome == "created"
+
+
+async def offer_committed_while_waiting(
+    bus: Driver, decision: Coroutine[Any, Any, T]
+) -> tuple[T, uuid.UUID]:
+    """Run `decision` (an offer to `po`) while this test holds po's lock; once it waits for
+    the lock, commit an `offered` row to po as a concurrent offer would, then release.
+    Returns the decision's reply and the id of the row committed under it."""
+    committed = uuid.uuid4()
+    async with bus.db.acquire() as holder, holder.transaction():
+        await holder.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"handoff:{bus.project}:po"
+        )
+        task = asyncio.create_task(decision)
+        await wait_for(
+            lambda: holder.fetchval(
+                """SELECT count(*) FROM pg_stat_activity
+                    WHERE datname = current_database() AND application_name = 'handoff'
+                      AND wait_event_type = 'Lock' AND wait_event = 'advisory'"""
+            ),
+            what="the offer waiting for po's lock",
+        )
+        await holder.execute(
+            """INSERT INTO handoff.handoffs
+                      (id, project_id, session_id, from_agent, to_agent, status)
+               VALUES ($1, $2, $3, 'criativo', 'po', 'offered')""",
+            committed,
+            bus.project,
+            await bus.open(),
+        )
+    return await task, committed
+
+
+async def test_an_offer_reads_its_target_as_it_is_once_the_lock_is_granted(bus: Driver) -> None:
+    """The read follows the lock, not the statement's start: a read with the snapshot
+    taken before the wait would miss the holder's offer and leave two `offered`."""
+    s = await bus.open()
+    reply, committed = await offer_committed_while_waiting(bus, bus.offer(s, "po"))
+
+    assert reply.outcome == "substituiu_oferta"
+    rows = {r["id"]: r for r in await bus.rows("po")}
+    assert [i for i, r in rows.items() if r["status"] == "offered"] == [offered_id(reply)]
+    assert rows[committed]["status"] == "superseded"
+    assert rows[committed]["superseded_by"] == offered_id(reply)
+
+
+async def test_offer_many_reads_each_target_as_it_is_once_its_lock_is_granted(
+    bus: Driver,
+) -> None:
+    s = await bus.open()
+    many = OfferMany(
+        project_id=bus.project,
+        session_id=s,
+        from_agent="criativo",
+        targets=[OfferTarget(to_agent="po")],
+    )
+    reply, committed = await offer_committed_while_waiting(
+        bus, call(bus.nc, subjects.HANDOFFS_OFFER_MANY, many, OfferManyReply)
+    )
+
+    assert reply.offered == []
+    assert [(a.to_agent, a.handoff_id) for a in reply.jaAtendidos] == [("po", committed)]
+    assert [r["id"] for r in await bus.rows("po")] == [committed]
 
 
 # --- active agents and activation --------------------------------------------------------
@@ -329,16 +395,20 @@ async def test_an_accepted_handoff_completes(bus: Driver) -> None:
 # --- offer_many and if_absent (decisions 6 and 7) ----------------------------------------
 
 
-async def test_offer_many_twice_offers_only_what_is_missing(bus: Driver) -> None:
-    s = await bus.open()
+async def offer_many(bus: Driver, s: uuid.UUID, src: str, *targets: str) -> OfferManyReply:
     request = OfferMany(
         project_id=bus.project,
         session_id=s,
-        from_agent="arquiteto",
-        targets=[OfferTarget(to_agent="infra"), OfferTarget(to_agent="dev-lead")],
+        from_agent=src,
+        targets=[OfferTarget(to_agent=t) for t in targets],
     )
-    first = await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
-    second = await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
+    return await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
+
+
+async def test_offer_many_twice_offers_only_what_is_missing(bus: Driver) -> None:
+    s = await bus.open()
+    first = await offer_many(bus, s, "arquiteto", "infra", "dev-lead")
+    second = await offer_many(bus, s, "arquiteto", "infra", "dev-lead")
 
     assert first.outcome == "created"
     assert sorted(h.to_agent for h in first.offered) == ["dev-lead", "infra"]
@@ -358,9 +428,19 @@ async def test_offer_many_twice_offers_only_what_is_missing(bus: Driver) -> None
         ),
         HandoffReply,
     )
-    third = await call(bus.nc, subjects.HANDOFFS_OFFER_MANY, request, OfferManyReply)
+    third = await offer_many(bus, s, "arquiteto", "infra", "dev-lead")
     assert [h.to_agent for h in third.offered] == ["dev-lead"]  # only the missing one
     assert [(s.to_agent, s.motivo) for s in third.jaAtendidos] == [("infra", "agente_ja_ativo")]
+
+
+async def test_offer_many_naming_a_target_twice_offers_it_once(bus: Driver) -> None:
+    reply = await offer_many(bus, await bus.open(), "criativo", "po", "po")
+
+    [offered] = reply.offered
+    assert [(a.to_agent, a.motivo, a.handoff_id) for a in reply.jaAtendidos] == [
+        ("po", "ja_oferecido", offered.id)
+    ]
+    assert [r["id"] for r in await bus.rows("po")] == [offered.id]
 
 
 async def test_if_absent_offers_only_to_a_target_neither_offered_nor_active(bus: Driver) -> None:
