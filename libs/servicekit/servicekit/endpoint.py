@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,7 @@ from servicekit.metrics import COMMAND_ERRORS, COMMAND_SECONDS
 from servicekit.telemetry import handling_span
 
 log = get_logger(__name__)
+_stdlib_log = logging.getLogger(__name__)  # what structlog's level filter asks
 
 Req = TypeVar("Req", bound=BaseModel)
 # A request larger than this is refused before parsing (the server may allow more).
@@ -231,11 +233,14 @@ class Endpoints:
                 span.set_attribute("error.type", answer.error.code)
                 span.set_status(StatusCode.ERROR, answer.error.code)
             await self._reply(command, request, answer)
-            log.debug(
-                "command_answered",
-                subject=command.subject,
-                error=answer.error.code if answer.error else None,
-            )
+            # Asked of the stdlib logger first: a dropped structlog line still costs each
+            # request microseconds on its way to the level filter.
+            if _stdlib_log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "command_answered",
+                    subject=command.subject,
+                    error=answer.error.code if answer.error else None,
+                )
         stats.record(time.perf_counter_ns() - started, answer.error)
 
     async def _reply(self, command: Command, request: Request, answer: Answer) -> None:
