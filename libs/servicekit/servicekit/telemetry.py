@@ -54,13 +54,26 @@ def exporter_choice() -> str:
     return os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower() or "none"
 
 
+# `tracing_on()`'s answer once `configure_tracing` settled it for the process (None: not
+# settled, asked of OpenTelemetry at each call). A request asks it at least twice, and
+# OpenTelemetry answers by looking up an environment variable each time.
+_tracing_settled: bool | None = None
+
+
 def configure_tracing(service: str) -> bool:
     """Install a tracer provider whose exporter `OTEL_TRACES_EXPORTER` names, and
     instrument asyncpg; returns whether tracing is on."""
+    global _tracing_settled
+    _tracing_settled = _install_tracing(service)
+    return _tracing_settled
+
+
+def _install_tracing(service: str) -> bool:
     choice = exporter_choice()
     processor: SpanProcessor
     if choice == "none":
-        return False
+        # OpenTelemetry may still install a provider of its own (OTEL_PYTHON_TRACER_PROVIDER)
+        return _sdk_provider()
     if choice == "console":
         processor = BatchSpanProcessor(ConsoleSpanExporter())
     elif choice == "otlp":
@@ -71,12 +84,12 @@ def configure_tracing(service: str) -> bool:
         path = os.environ.get(TRACES_FILE_VARIABLE)
         if not path:
             log.warning("otel_exporter_unconfigured", exporter=choice, missing=TRACES_FILE_VARIABLE)
-            return False
+            return _sdk_provider()
         # Written as each span ends: a reader waits on the file, never on a flush timer.
         processor = SimpleSpanProcessor(JsonLinesExporter(path))
     else:
         log.warning("otel_exporter_unknown", exporter=choice)
-        return False
+        return _sdk_provider()
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service)})
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(processor)
@@ -148,7 +161,10 @@ def messaging_attributes(
 def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
     """Headers carrying the current trace context (W3C `traceparent`)."""
     carrier = dict(headers or {})
-    propagate.inject(carrier)
+    # An empty context holds no span and no baggage: the propagators (W3C trace context
+    # and baggage) would add nothing, and asking them costs a request microseconds.
+    if context.get_current():
+        propagate.inject(carrier)
     return carrier
 
 
@@ -183,7 +199,9 @@ def handling_span(
     (no span, no attributes): what the handler sends and logs still carries the trace.
     """
     if not tracing_on():
-        token = context.attach(propagate.extract(dict(headers or {})))
+        # No headers carry no trace: what they would extract to is an empty context.
+        came = propagate.extract(dict(headers)) if headers else context.Context()
+        token = context.attach(came)
         try:
             yield trace.get_current_span()
         finally:
@@ -255,6 +273,12 @@ def _outgoing(
 def tracing_on() -> bool:
     """Whether spans are recorded in this process (`configure_tracing` installed an SDK
     provider): instrumentation that would cost time even unrecorded is added only then."""
+    if _tracing_settled is not None:
+        return _tracing_settled
+    return _sdk_provider()
+
+
+def _sdk_provider() -> bool:
     return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 

@@ -138,6 +138,32 @@ async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
     assert [msg_id for msg_id, _ in await waiting(pool)] == ["k-1", "k-2"]
 
 
+async def test_keys_published_side_by_side_each_stop_at_their_own_failure(
+    pool: asyncpg.Pool, js: JetStreamContext, nc: Client, make_stream: MakeStream
+) -> None:
+    # Short runs of three keys go out together, a row of each key per round: the stream
+    # refuses B's second row (too large), so B's third must not follow it, while A and C
+    # go on to the end.
+    stream = await make_stream(max_msg_size=1024)
+    _, prefix = stream
+    async with pool.acquire() as conn, conn.transaction():
+        for n in range(1, 4):
+            for key in "ABC":
+                body = b"x" * 2048 if (key, n) == ("B", 2) else b"{}"
+                await Outbox(conn).send(f"{prefix}.{key}", f"{key}-{n}", body, ordering_key=key)
+
+    assert await OutboxRelay(pool, JetStreamPublisher(nc)).drain_once() == 9
+
+    published = await published_ids(nc, stream)
+    for key, expected in (
+        ("A", ["A-1", "A-2", "A-3"]),
+        ("B", ["B-1"]),
+        ("C", ["C-1", "C-2", "C-3"]),
+    ):
+        assert [i for i in published if i.startswith(key)] == expected
+    assert await waiting(pool) == [("B-2", 1), ("B-3", 1)]
+
+
 async def enqueue_session(pool: asyncpg.Pool, prefix: str, key: str, count: int) -> list[str]:
     """Commit `count` rows of one key, on subjects that vary as a session's event types do;
     return their msg ids in the order written."""
