@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -37,9 +36,6 @@ from servicekit.telemetry import configure_tracing
 log = get_logger(__name__)
 T = TypeVar("T")
 
-
-# Allocations (less deallocations) between two collections of the youngest generation.
-GC_YOUNG_THRESHOLD = 7000
 
 # EX_CONFIG (sysexits.h): the service cannot start until the operator provisions.
 EXIT_NOT_PROVISIONED = 78
@@ -237,13 +233,6 @@ def run_service(name: str, main: Awaitable[None] | Coroutine[Any, Any, None]) ->
                 sys.exit(EXIT_NOT_PROVISIONED)  # already said in one log line
         log.info("service_stopped", service=name)
 
-    # What is loaded by now (modules, contract schemas) lives as long as the process: kept
-    # out of the collector's scans, and young objects collected ten times less often. A
-    # request's futures, tasks and records survive a few collections each while in
-    # flight; at the default threshold (700) scanning them took ~4% of the log's CPU
-    # per append (perf, bench/append.py at 32 producers).
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     # uvloop takes about a third off a NATS hop (DESIGN.md, latency budget).
     uvloop.run(guarded())
 

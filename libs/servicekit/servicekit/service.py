@@ -37,6 +37,7 @@ and different sessions' concurrently.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -216,6 +217,7 @@ class Service:
             rt.settings.instance_id,
             metrics_url=rt.metrics.url if rt.metrics is not None else "",
         )
+        _freeze_what_started()
         rt.health.serving.set()
         try:
             await wait_until_stopped(rt)
@@ -281,3 +283,19 @@ def _with(handler: Callable[..., Awaitable[Any]], bound: dict[str, Any]) -> Any:
         return await handler(message, **bound)
 
     return call
+
+
+# Allocations (less deallocations) between two collections of the youngest generation.
+GC_YOUNG_THRESHOLD = 7000
+
+
+def _freeze_what_started() -> None:
+    """What start-up made (modules, contract schemas, catalogs, connections) lives as long
+    as the process: kept out of the collector's scans, so a full collection walks only
+    what the requests made (criativo and metering: 63k start-up objects, a 31 ms pause per
+    full collection under load, 0 ms frozen). Young objects are collected ten times less
+    often: a request's futures, tasks and records survive a few collections while in
+    flight, and at the default threshold (700) scanning them took ~4% of the log's CPU
+    per append (perf, bench/append.py at 32 producers)."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])

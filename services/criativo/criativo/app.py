@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 from criativo.actors import Actors
 from criativo.handlers import SERVICE, CriativoSettings, inputs_spec, svc
 from criativo.lease import SessionLeases
@@ -45,12 +43,6 @@ async def main(settings: CriativoSettings | None = None) -> None:
         )
         actors = Actors(work, settings.idle_seconds)
         rt.relay(OfferSender(rt.nc), "offer-relay")
-        # What is alive now (modules, models, prompts) lives as long as the process:
-        # frozen, out of the cyclic GC's reach, a full collection walks only what the turns
-        # made, not the start-up heap (criativo's and metering's imports: 63k objects, a
-        # 31 ms pause per full collection on this machine under load; 0 ms frozen). As the
-        # gateway does.
-        gc.freeze()
         try:
             await svc.serve(rt, actors=actors)
         finally:

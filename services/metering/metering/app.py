@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Literal
 
 from pydantic import Field
@@ -121,12 +120,6 @@ async def main(
         # Listening before serving: a replica hears every cancel of the streams it runs.
         cancel_sub = await cancels.subscribe(rt.nc)
         runner = TurnRunner(repo, catalog, providers, rt.nc, cancels)
-        # What is alive now (modules, models, the catalog) lives as long as the process:
-        # frozen, out of the cyclic GC's reach, a full collection walks only what the turns
-        # made, not the start-up heap (criativo's and metering's imports: 63k objects, a
-        # 31 ms pause per full collection on this machine under load; 0 ms frozen). As the
-        # gateway does.
-        gc.freeze()
         try:
             await svc.serve(rt, repo=repo, catalog=catalog, runner=runner)
         finally:
