@@ -148,6 +148,20 @@ class SessionLeases:
                 # waited out the consumer's backoff, minutes.
                 await asyncio.sleep(RETRY_SECONDS)
 
+    async def _renewed(self, kv: KeyValue, key: str, revision: int) -> int:
+        """The lease's revision once renewed from `revision`. A renewal whose write landed
+        but whose answer was lost (a node restarting, a timeout under load) leaves the key
+        past `revision` in this replica's name, which only this replica writes: still its
+        lease, at the key's revision. Anyone else's name, or no key, is a lease lost."""
+        try:
+            return await kv.update(key, self._instance, last=revision)
+        except KeyWrongLastSequenceError:
+            entry = await kv.get(key)
+            if entry.value != self._instance or entry.revision is None:
+                raise
+            log.info("lease_renewal_found_applied", session_id=key, revision=entry.revision)
+            return entry.revision
+
     async def _renew(
         self, kv: KeyValue, key: str, state: dict[str, int], done: asyncio.Event
     ) -> None:
@@ -157,7 +171,7 @@ class SessionLeases:
                 await asyncio.wait_for(done.wait(), wait)
                 return
             try:
-                state["revision"] = await kv.update(key, self._instance, last=state["revision"])
+                state["revision"] = await self._renewed(kv, key, state["revision"])
             except Exception as exc:
                 # A cluster node down (no stream response, a 503, a timeout) is not a lease
                 # taken: ask again soon, while the lease still has time to live. Giving up

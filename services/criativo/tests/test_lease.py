@@ -63,6 +63,34 @@ async def test_a_session_another_replica_held_since_is_taken_from_the_key_as_it_
         assert await holder(nc, session) == b"replica-a"
 
 
+async def test_a_renewal_that_landed_but_went_unanswered_keeps_the_lease(nc: Client) -> None:
+    """A renewal JetStream wrote but whose answer was lost leaves the key past the
+    holder's revision, in the holder's name: the next renewal finds it so and keeps the
+    lease (it was taken for lost, freeing the session under a running turn), and the
+    release still deletes it."""
+    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=3)
+    await leases.open()
+    session = uuid.uuid4()
+    kv = await nc.jetstream().key_value(BUCKET)
+    with capture_logs() as logged:
+        async with leases.hold(session):
+            await kv.put(str(session), b"replica-a")  # the write whose answer was lost
+            await wait_for(
+                lambda: any(e["event"] == "lease_renewal_found_applied" for e in logged),
+                timeout=20,
+                what="a renewal after the unanswered one",
+            )
+            await kv.put(str(session), b"replica-b")  # taken over meanwhile: lost
+            await wait_for(
+                lambda: any(e["event"] == "lease_lost" for e in logged),
+                timeout=20,
+                what="the renewal that finds another holder",
+            )
+    assert await holder(nc, session) == b"replica-b"  # never deleted someone else's lease
+    events = [e["event"] for e in logged]
+    assert events.count("lease_lost") == 1
+
+
 async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() -> None:
     """Issue 13: a renewal JetStream does not answer (two of three nodes SIGKILLed) is
     tried again, not taken for a lost lease: the lease stays held through the outage and
