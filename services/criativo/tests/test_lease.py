@@ -122,9 +122,8 @@ async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() 
                     cluster.start_node(1)
                     cluster.start_node(2)
                     await wait_for(lambda: said("lease_renewed"), timeout=60)
-            events = [e["event"] for e in logged]
-            assert "lease_lost" not in events
-            assert "lease_release_failed" not in events
+            failed = [e for e in logged if e["event"] in ("lease_lost", "lease_release_failed")]
+            assert not failed, failed  # with their errors, to tell why
         finally:
             await nc.close()
             cluster.stop()
