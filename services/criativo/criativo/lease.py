@@ -108,16 +108,38 @@ class SessionLeases:
 
     async def _release_soon(self, key: str, revision: int) -> None:
         """Release, asking again while JetStream does not answer (a node just died): a
-        lease left behind holds the session's next input until it expires (the TTL)."""
+        lease left behind holds the session's next input until it expires (the TTL).
+
+        A renewal or a release JetStream wrote but left unanswered moves the key past
+        `revision`: a key gone is released already, and a key in this replica's name is
+        released at the revision it has."""
         for attempt in range(1, RELEASE_ATTEMPTS + 1):
             try:
                 await self._release(key, revision)
                 return
-            except Exception as exc:  # expired or taken: it is not ours to delete
+            except BadRequestError as exc:  # the key is not at `revision` any more
+                entry = await self._entry(key)
+                if entry is None:
+                    log.info("lease_release_found_applied", session_id=key)
+                    return
+                if entry.value != self._instance or entry.revision is None:
+                    log.warning("lease_release_failed", session_id=key, error=repr(exc))
+                    return  # taken since: not ours to delete
+                revision = entry.revision
+            except Exception as exc:
                 if not is_unavailable(exc) or attempt == RELEASE_ATTEMPTS:
                     log.warning("lease_release_failed", session_id=key, error=repr(exc))
                     return
-            await asyncio.sleep(RENEW_RETRY_SECONDS)
+                await asyncio.sleep(RENEW_RETRY_SECONDS)
+        log.warning("lease_release_failed", session_id=key, error="moved on every attempt")
+
+    async def _entry(self, key: str) -> KeyValue.Entry | None:
+        """The key as it is now; None when it is absent, deleted or expired."""
+        assert self._kv is not None, "open() first"
+        try:
+            return await self._kv.get(key)
+        except KeyNotFoundError:  # KeyDeletedError too
+            return None
 
     async def _release(self, key: str, revision: int) -> None:
         """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
@@ -156,8 +178,8 @@ class SessionLeases:
         try:
             return await kv.update(key, self._instance, last=revision)
         except KeyWrongLastSequenceError:
-            entry = await kv.get(key)
-            if entry.value != self._instance or entry.revision is None:
+            entry = await self._entry(key)
+            if entry is None or entry.value != self._instance or entry.revision is None:
                 raise
             log.info("lease_renewal_found_applied", session_id=key, revision=entry.revision)
             return entry.revision

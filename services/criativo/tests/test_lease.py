@@ -8,8 +8,10 @@ import uuid
 from pathlib import Path
 
 import nats
+import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
 from structlog.testing import capture_logs
 
 from criativo.lease import BUCKET, SessionLeases
@@ -89,6 +91,27 @@ async def test_a_renewal_that_landed_but_went_unanswered_keeps_the_lease(nc: Cli
     assert await holder(nc, session) == b"replica-b"  # never deleted someone else's lease
     events = [e["event"] for e in logged]
     assert events.count("lease_lost") == 1
+
+
+async def test_a_release_after_a_write_that_went_unanswered_still_frees_the_session(
+    nc: Client,
+) -> None:
+    """The key moved past the holder's revision by its own write whose answer was lost (a
+    renewal in its name, or the release itself): the release frees the session all the
+    same, and says nothing failed."""
+    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30)
+    await leases.open()
+    kv = await nc.jetstream().key_value(BUCKET)
+    renewed, released = uuid.uuid4(), uuid.uuid4()
+    with capture_logs() as logged:
+        async with leases.hold(renewed):
+            await kv.put(str(renewed), b"replica-a")  # a renewal whose answer was lost
+        async with leases.hold(released):
+            await kv.delete(str(released))  # the release, landed before its retry
+    for session in (renewed, released):
+        with pytest.raises(KeyNotFoundError):
+            await kv.get(str(session))
+    assert not [e for e in logged if e["event"] == "lease_release_failed"]
 
 
 async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() -> None:
