@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,14 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
         emitted[(d["turn_id"], d["seq"])] = (d["emitted_at"], now)
 
     sub = await nc.subscribe(subjects.delta_subject(PROJECT, "*"), cb=on_delta)
+    # The log's reads during the turns, by command: every caller's (Criativo's and the
+    # gateway's), to see what a turn costs the log besides its appends.
+    log_reads: Counter[str] = Counter()
+
+    async def on_read(msg: Msg) -> None:
+        log_reads[msg.subject] += 1
+
+    reads = [await nc.subscribe(s, cb=on_read) for s in (subjects.EVENTS_LIST, subjects.EVENTS_GET)]
     await nc.flush()
     first_ms: list[float] = []
     unfinished: list[int] = []  # deltas received by each client whose turn never ended
@@ -211,6 +219,8 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
         await asyncio.gather(*(chat(k, c) for k, c in enumerate(clients)))
         usage = await meter.stop(n * tokens, time.perf_counter() - started)
     await sub.unsubscribe()
+    for read in reads:
+        await read.unsubscribe()
     rss_after = rss_kib(gw.pid)
     got = [(at, emitted.get((turn, seq))) for c in clients for turn, seq, at, m in c.arrivals
            if m == c.message]  # fmt: skip
@@ -221,7 +231,8 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
             "gateway_leg_ms": gw_leg, "first_delta_ms": first_ms, "unmatched": lost,
             "unfinished": unfinished, "refused": refused,
-            "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage}  # fmt: skip
+            "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
+            "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())}}  # fmt: skip
 
 
 def path_cpu_ms(r: dict[str, Any]) -> float:
@@ -254,7 +265,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
                   "unmatched": r["unmatched"], "rss_kib_before_joined_after": rss,
                   "rss_kib_per_connection": rss_per_connection(r),
                   "cpu_ms_per_token": r["cpu"].ms_per_op,
-                  "gateway_path_cpu_ms_per_token": path_cpu_ms(r), "missed": missed(r)}  # fmt: skip
+                  "gateway_path_cpu_ms_per_token": path_cpu_ms(r),
+                  "log_reads_per_turn": r["log_reads_per_turn"], "missed": missed(r)}  # fmt: skip
 
 
 async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | None,
@@ -299,6 +311,8 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
             print(f"  gateway RSS {before:.1f} → {joined:.1f} MiB with {r['clients']} joined: "
                   f"{(joined - before) * 1024 / r['clients']:.1f} KiB per connection; "
                   f"{after:.1f} MiB after the turns", flush=True)  # fmt: skip
+            reads = ", ".join(f"{k} {v:.2f}" for k, v in r["log_reads_per_turn"].items())
+            print(f"  log reads per turn (every caller's): {reads or 'none'}")
         misses = [m for r in results for m in missed(r)]
         if as_json:
             print(json.dumps([summary(r) for r in results], indent=2))

@@ -10,11 +10,14 @@ told with what was committed. A forged or stale copy is acked, counted and logge
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from uuid import UUID
 
 from nats.aio.client import Client
 
 from contracts.events import Event
+from contracts.session_events import EVENTS_PAGE_MAX
 from servicekit.logs import get_logger
 from servicekit.sessionlog import COMMAND_TIMEOUT_SECONDS, SessionLogClient
 
@@ -65,3 +68,83 @@ def judged(delivered: Event, logged: Event | None, *, consumer: str) -> Event | 
         reason=reason,
     )
     return None
+
+
+class Confirmations:
+    """Confirms delivered events against the log, every event waiting in one read.
+
+    For a reader that confirms each event as it arrives, whatever its session (the
+    gateway, before it shows one): the events that arrive while a read is under way are
+    asked for together in the next one (`cmd.events.get` by id), so under load the log
+    answers for many at once, and an idle reader still waits for one round trip only.
+    One read per event cost the gateway's log a read per event per session: at 500
+    clients two thirds of the log's reads in a turn, each first delta waiting on one
+    (bench/gateway.py).
+
+    A read that fails is tried again `attempts` times, `retry_seconds` apart; the events
+    it was for are then answered None, as unconfirmed (not counted as forgeries).
+    """
+
+    def __init__(
+        self,
+        session_log: SessionLogClient,
+        *,
+        consumer: str,
+        attempts: int = 3,
+        retry_seconds: float = 0.5,
+    ) -> None:
+        self._log = session_log
+        self._consumer = consumer
+        self._attempts = attempts
+        self._retry_seconds = retry_seconds
+        self._waiting: list[tuple[Event, asyncio.Future[Event | None]]] = []
+        self._reading: asyncio.Task[None] | None = None
+
+    async def confirm(self, delivered: Event) -> Event | None:
+        """The log's copy of `delivered`; None when the log denies it (logged and counted,
+        as `confirm`) or did not answer."""
+        answer: asyncio.Future[Event | None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((delivered, answer))
+        if self._reading is None:
+            self._reading = asyncio.create_task(self._read_waiting())
+        return await answer
+
+    async def _read_waiting(self) -> None:
+        batch: list[tuple[Event, asyncio.Future[Event | None]]] = []
+        try:
+            while self._waiting:
+                batch = self._waiting[:EVENTS_PAGE_MAX]
+                del self._waiting[:EVENTS_PAGE_MAX]
+                logged = await self._read([delivered.id for delivered, _ in batch])
+                for delivered, answer in batch:
+                    if answer.done():
+                        continue  # its waiter gave up
+                    if logged is None:
+                        answer.set_result(None)
+                    else:
+                        found = logged.get(delivered.id)
+                        answer.set_result(judged(delivered, found, consumer=self._consumer))
+        finally:
+            self._reading = None
+            # Only a reader stopped midway (its task cancelled) leaves any unanswered.
+            for _, answer in batch + self._waiting:
+                if not answer.done():
+                    answer.set_result(None)
+            self._waiting = []
+
+    async def _read(self, event_ids: list[UUID]) -> dict[UUID, Event] | None:
+        for attempt in range(1, self._attempts + 1):
+            try:
+                found = await self._log.get(event_ids, timeout=COMMAND_TIMEOUT_SECONDS)
+                return {event.id: event for event in found}
+            except Exception as exc:
+                log.warning(
+                    "events_unconfirmed",
+                    consumer=self._consumer,
+                    events=len(event_ids),
+                    attempt=attempt,
+                    error=repr(exc),
+                )
+                if attempt < self._attempts:
+                    await asyncio.sleep(self._retry_seconds)
+        return None
