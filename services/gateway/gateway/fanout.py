@@ -145,7 +145,11 @@ class _Topic:
         # bus): a forged copy is never shown, nor lets the feeds drop the real one as a
         # duplicate of its `seq`. The session's later messages wait behind it, in order.
         # Unconfirmed (the log not answering), it is dropped: the feeds read it from the
-        # log when the next event shows the gap.
+        # log when the next event shows the gap. The bus's permissions alone would not
+        # do: of the services only session_events may publish on an event subject
+        # (servicekit.permissions), but the embedded stack's and the tests' `admin` may
+        # publish anything, and this is a core subscription: a plain publish on the
+        # subject reaches it without passing through the EVENTS stream.
         if isinstance(live, LiveEvent) and await self.confirmations.confirm(live.event) is None:
             return
         for follower in tuple(self.followers):
