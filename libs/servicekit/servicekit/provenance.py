@@ -77,9 +77,8 @@ class Confirmations:
     gateway, before it shows one): the events that arrive while a read is under way are
     asked for together in the next one (`cmd.events.get` by id), so under load the log
     answers for many at once, and an idle reader still waits for one round trip only.
-    One read per event cost the gateway's log a read per event per session: at 500
-    clients two thirds of the log's reads in a turn, each first delta waiting on one
-    (bench/gateway.py).
+    A read per event, as the gateway first did, made two of the log's three reads per
+    turn in bench/gateway.py, at 100 clients as at 500.
 
     A read that fails is tried again `attempts` times, `retry_seconds` apart; the events
     it was for are then answered None, as unconfirmed (not counted as forgeries).
@@ -135,7 +134,8 @@ class Confirmations:
     async def _read(self, event_ids: list[UUID]) -> dict[UUID, Event] | None:
         for attempt in range(1, self._attempts + 1):
             try:
-                found = await self._log.get(event_ids, timeout=COMMAND_TIMEOUT_SECONDS)
+                # a read's patience, as the one-event reads had: a busy log is slow, not gone
+                found = await self._log.get(event_ids)
                 return {event.id: event for event in found}
             except Exception as exc:
                 log.warning(
