@@ -1,7 +1,8 @@
 """`Confirmations` against the real session_events service (a process of its own), on real
 NATS and Postgres: events waiting together, of any sessions, are confirmed by one read of
 the log; a forged copy among them is answered None and counted, the real ones their log
-copy; a log that does not answer confirms nothing and counts no forgery."""
+copy; an event does not wait for a read under way before its own; a log that does not
+answer confirms nothing and counts no forgery."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from contracts.catalog import Command
 from contracts.common import ErrorCode
 from contracts.events import ChatMessage, Event, EventType
 from domain.errors import DomainError
-from servicekit.client import CRep, CReq
+from servicekit.client import CRep, CReq, call
 from servicekit.provenance import FORGED_EVENTS, Confirmations
 from servicekit.sessionlog import SessionLogClient
+from servicekit.testing import wait_for
 
 PERSON = "user:ana"
 
@@ -78,3 +80,27 @@ async def test_a_log_that_does_not_answer_confirms_nothing_and_counts_no_forgery
     assert await confirmations.confirm(event) is None
     assert asked == [subjects.EVENTS_GET] * 2, "asked again once, then given up"
     assert not FORGED_EVENTS - forged_before, "no forgery counted"
+
+
+async def test_an_event_is_not_held_behind_a_read_under_way(
+    log: SessionLogClient, nc: Client
+) -> None:
+    session_id = (await log.open(f"proj-{uuid.uuid4().hex[:8]}", PERSON)).session_id
+    first, second = [await said(log, session_id, text) for text in ("one", "two")]
+    released = asyncio.Event()
+    asked: list[str] = []
+
+    async def first_read_held(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        asked.append(command.subject)
+        if len(asked) == 1:
+            await released.wait()  # a busy log, slow to answer the first read
+        return await call(nc, command, request, timeout=timeout)
+
+    confirmations = Confirmations(SessionLogClient(nc, caller=first_read_held), consumer="test")
+    held = asyncio.create_task(confirmations.confirm(first))
+    await wait_for(lambda: asked, what="the first read")
+
+    assert await confirmations.confirm(second) == second
+    assert not held.done()
+    released.set()
+    assert await held == first
