@@ -8,6 +8,9 @@ stream's duration (a steady number of streams in flight, as in bench/metering.py
   carries no emit time, so the bench also follows the deltas on NATS and takes the same
   (turn, seq)'s `TurnDelta.emitted_at`; the gateway leg is frame received − that delta
   received by the bench's own NATS subscriber (what gateway and WebSocket add to the bus);
+- event leg: a turn's event frame (the message, the response) received − the same event
+  received by the bench's own subscriber: the gateway shows an event only once the log
+  confirmed it, and the session's deltas wait behind it;
 - chat → first delta: first delta frame − `chat` sent − the provider's first-token delay;
 - memory per connection: the gateway's VmRSS with the N clients joined minus before, / N
   (a fresh gateway process per level, warmed by one connection first);
@@ -41,7 +44,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,7 @@ from websockets.exceptions import ConnectionClosed
 
 import benchkit as bk
 from contracts import subjects
+from contracts.events import EventType
 from contracts.session_events import OpenSession, SessionOpenedReply
 from servicekit.client import call
 
@@ -101,6 +105,7 @@ class WsClient:
         self.message: str | None = None  # the chat message whose reply is measured
         self.dones: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)  # by message
         self.arrivals: list[tuple[str, int, float, str | None]] = []  # turn, seq, at, message
+        self.events: dict[str, float] = {}  # event id -> when its frame arrived
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -113,8 +118,10 @@ class WsClient:
                     self.arrivals.append((f["turn_id"], f["seq"], now, f["message_id"]))
                 elif kind in ("ack", "error") and f.get("ref") in self.answers:
                     self.answers.pop(f["ref"]).set_result(f)
-                elif kind == "event" and f["event"]["type"] == "agent.activated":
-                    self.activated.set()
+                elif kind == "event":
+                    self.events[f["event"]["id"]] = now
+                    if f["event"]["type"] == "agent.activated":
+                        self.activated.set()
                 elif kind == "done":
                     self.dones[f["message_id"]].set()
 
@@ -176,6 +183,24 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
         emitted[(d["turn_id"], d["seq"])] = (d["emitted_at"], now)
 
     sub = await nc.subscribe(subjects.delta_subject(PROJECT, "*"), cb=on_delta)
+    # A turn's events as the bus has them: the event leg (bus → client) is where the
+    # gateway's confirmation by the log shows, and the session's deltas wait behind it.
+    published: dict[str, float] = {}
+
+    async def on_event(msg: Msg) -> None:
+        published[json.loads(msg.data)["id"]] = time.time()
+
+    turn_events = [EventType.CHAT_MESSAGE, EventType.AGENT_RESPONSE]
+    events = [await nc.subscribe(subjects.event_subject(t, PROJECT, "*"), cb=on_event)
+              for t in turn_events]  # fmt: skip
+    # The log's reads during the turns, by command: every caller's (Criativo's and the
+    # gateway's), to see what a turn costs the log besides its appends.
+    log_reads: Counter[str] = Counter()
+
+    async def on_read(msg: Msg) -> None:
+        log_reads[msg.subject] += 1
+
+    reads = [await nc.subscribe(s, cb=on_read) for s in (subjects.EVENTS_LIST, subjects.EVENTS_GET)]
     await nc.flush()
     first_ms: list[float] = []
     unfinished: list[int] = []  # deltas received by each client whose turn never ended
@@ -211,17 +236,23 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
         await asyncio.gather(*(chat(k, c) for k, c in enumerate(clients)))
         usage = await meter.stop(n * tokens, time.perf_counter() - started)
     await sub.unsubscribe()
+    for tapped in [*reads, *events]:
+        await tapped.unsubscribe()
     rss_after = rss_kib(gw.pid)
     got = [(at, emitted.get((turn, seq))) for c in clients for turn, seq, at, m in c.arrivals
            if m == c.message]  # fmt: skip
     per_token = [(at - e[0]) * 1000 for at, e in got if e]
     gw_leg = [(at - e[1]) * 1000 for at, e in got if e]
     lost = sum(e is None for _, e in got)
+    event_leg = [(at - published[i]) * 1000 for c in clients for i, at in c.events.items()
+                 if i in published]  # fmt: skip
     await asyncio.gather(*(c.ws.close() for c in clients))
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
-            "gateway_leg_ms": gw_leg, "first_delta_ms": first_ms, "unmatched": lost,
+            "gateway_leg_ms": gw_leg, "event_leg_ms": event_leg, "first_delta_ms": first_ms,
+            "unmatched": lost,
             "unfinished": unfinished, "refused": refused,
-            "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage}  # fmt: skip
+            "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
+            "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())}}  # fmt: skip
 
 
 def path_cpu_ms(r: dict[str, Any]) -> float:
@@ -254,7 +285,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
                   "unmatched": r["unmatched"], "rss_kib_before_joined_after": rss,
                   "rss_kib_per_connection": rss_per_connection(r),
                   "cpu_ms_per_token": r["cpu"].ms_per_op,
-                  "gateway_path_cpu_ms_per_token": path_cpu_ms(r), "missed": missed(r)}  # fmt: skip
+                  "gateway_path_cpu_ms_per_token": path_cpu_ms(r),
+                  "log_reads_per_turn": r["log_reads_per_turn"], "missed": missed(r)}  # fmt: skip
 
 
 async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | None,
@@ -294,11 +326,14 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
             print(bk.latency_row("baseline raw NATS hop", hop))
             print(bk.latency_row("per-token emit → client", r["per_token_ms"], hop))
             print(bk.latency_row("gateway leg (bus → client)", r["gateway_leg_ms"], hop))
+            print(bk.latency_row("event leg (bus → client)", r["event_leg_ms"], hop))
             print(bk.latency_row("chat → first delta", r["first_delta_ms"], hop))
             before, joined, after = (k / 1024 for k in r["rss_kib"])
             print(f"  gateway RSS {before:.1f} → {joined:.1f} MiB with {r['clients']} joined: "
                   f"{(joined - before) * 1024 / r['clients']:.1f} KiB per connection; "
                   f"{after:.1f} MiB after the turns", flush=True)  # fmt: skip
+            reads = ", ".join(f"{k} {v:.2f}" for k, v in r["log_reads_per_turn"].items())
+            print(f"  log reads per turn (every caller's): {reads or 'none'}")
         misses = [m for r in results for m in missed(r)]
         if as_json:
             print(json.dumps([summary(r) for r in results], indent=2))

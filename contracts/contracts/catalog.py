@@ -291,6 +291,8 @@ ACCESS = [
             subjects.SESSIONS_LIST,
             subjects.EVENTS_APPEND,
             subjects.EVENTS_LIST,
+            # confirms the live events it shows, many sessions' at once (provenance)
+            subjects.EVENTS_GET,
             subjects.AGENTS_ACTIVATE,
             subjects.HANDOFFS_ACCEPT,
             subjects.HANDOFFS_REJECT,

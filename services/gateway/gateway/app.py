@@ -32,6 +32,7 @@ from gateway.server import serving_http
 from gateway.settings import GatewaySettings
 from gateway.ws import Hub, websocket_endpoint
 from servicekit.logs import get_logger
+from servicekit.provenance import Confirmations
 from servicekit.runtime import run_service
 from servicekit.service import Service
 from servicekit.sessionlog import SessionLogClient
@@ -138,7 +139,8 @@ async def main(
         )
         presence = Presence(session_log.heartbeat, settings.heartbeat_interval_seconds)
         secret = load_secret(settings.gateway_secret)
-        hub = Hub(settings, secret, commands, session_log, presence, Fanout(rt.nc, session_log))
+        fanout = Fanout(rt.nc, Confirmations(session_log, consumer=SERVICE))
+        hub = Hub(settings, secret, commands, session_log, presence, fanout)
         try:
             async with serving_http(rt, build_app(hub), settings) as url:
                 log.info("gateway_listening", url=url)

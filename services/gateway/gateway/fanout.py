@@ -33,14 +33,9 @@ from contracts.metering import TurnDelta
 from gateway.metrics import FOLLOWED_SESSIONS
 from gateway.wire import model_frame, text_frame
 from servicekit.logs import get_logger
-from servicekit.provenance import judged
-from servicekit.sessionlog import SessionLogClient
+from servicekit.provenance import Confirmations
 
 log = get_logger(__name__)
-
-# How often, and how far apart, the log is asked to confirm a live event it does not answer.
-CONFIRM_ATTEMPTS = 3
-CONFIRM_RETRY_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +126,7 @@ class _Topic:
     """One followed session: its subscription and the feeds following it."""
 
     subject: str
-    session_log: SessionLogClient
+    confirmations: Confirmations
     followers: list[Follower] = field(default_factory=list)
     subscribed: asyncio.Future[Subscription] | None = None
 
@@ -146,7 +141,16 @@ class _Topic:
         except ValidationError as exc:  # one bad message must not end the feeds
             log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
             return
-        if isinstance(live, LiveEvent) and not await self.committed(live.event):
+        # A live event is shown only as the log committed it (DESIGN, who may use the
+        # bus): a forged copy is never shown, nor lets the feeds drop the real one as a
+        # duplicate of its `seq`. The session's later messages wait behind it, in order.
+        # Unconfirmed (the log not answering), it is dropped: the feeds read it from the
+        # log when the next event shows the gap. The bus's permissions alone would not
+        # do: of the services only session_events may publish on an event subject
+        # (servicekit.permissions), but the embedded stack's and the tests' `admin` may
+        # publish anything, and this is a core subscription: a plain publish on the
+        # subject reaches it without passing through the EVENTS stream.
+        if isinstance(live, LiveEvent) and await self.confirmations.confirm(live.event) is None:
             return
         for follower in tuple(self.followers):
             try:
@@ -154,32 +158,13 @@ class _Topic:
             except Exception as exc:  # nor a feed's failure reach the others
                 log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
 
-    async def committed(self, event: Event) -> bool:
-        """Whether the log committed this very event at its `seq` (DESIGN, who may use the
-        bus): a forged copy is never shown, nor lets the feeds drop the real one as a
-        duplicate by its `seq`. One read per event for all the session's followers, none
-        per token. A log that does not answer (a replica restarting) is asked again a few
-        times; after that the event is dropped, and the feeds read it from the log when
-        the next event shows the gap."""
-        for attempt in range(1, CONFIRM_ATTEMPTS + 1):
-            try:
-                page = await self.session_log.page(event.session_id, event.seq - 1, limit=1)
-                break
-            except Exception as exc:
-                log.warning("feed_event_unconfirmed", event_id=str(event.id), error=repr(exc))
-                if attempt == CONFIRM_ATTEMPTS:
-                    return False
-                await asyncio.sleep(CONFIRM_RETRY_SECONDS)
-        logged = page[0] if page and page[0].seq == event.seq else None
-        return judged(event, logged, consumer="gateway") is not None
-
 
 class Fanout:
     """The gateway's subscriptions to the sessions its connections follow."""
 
-    def __init__(self, nc: Client, session_log: SessionLogClient) -> None:
+    def __init__(self, nc: Client, confirmations: Confirmations) -> None:
         self._nc = nc
-        self._log = session_log
+        self._confirmations = confirmations
         self._topics: dict[str, _Topic] = {}
 
     def following(self) -> int:
@@ -192,7 +177,7 @@ class Fanout:
         key = session_filter(project_id, session_id)
         topic = self._topics.get(key)
         if topic is None:
-            topic = self._topics[key] = _Topic(key, self._log)
+            topic = self._topics[key] = _Topic(key, self._confirmations)
             FOLLOWED_SESSIONS.inc()
             topic.subscribed = asyncio.ensure_future(topic.subscribe(self._nc))
         topic.followers.append(follower)

@@ -68,3 +68,29 @@ async def test_clients_of_one_session_share_a_subscription_and_each_get_every_fr
         await client.ws.close()
     await wait_for(lambda: value(FOLLOWED) == followed, what="the subscription ended")
     assert value(JOINED) == joined
+
+
+async def test_clients_of_two_sessions_each_get_their_own_the_message_before_its_turn(
+    gateway: Gateway,
+) -> None:
+    followed = value(FOLLOWED)
+    sessions = [await gateway.open_session() for _ in range(2)]
+    clients = [await gateway.ws() for _ in sessions]
+    for client, session_id in zip(clients, sessions, strict=True):
+        await client.request({"type": "join", "session_id": str(session_id)})
+    assert value(FOLLOWED) == followed + 2
+
+    for k, speaker in enumerate(clients):
+        await speaker.request({"type": "start_agent", "agent": "criativo"})
+        message = await chat(speaker, "Um app para padarias", f"p-{k}")
+        await wait_for(lambda c=speaker, m=message: turn_ended(c, m), what="the turn")
+        frames = speaker.frames
+        said = next(i for i, f in enumerate(frames) if f.get("event", {}).get("id") == message)
+        first_delta = next(
+            i for i, f in enumerate(frames) if f["type"] == "delta" and f["message_id"] == message
+        )
+        assert said < first_delta, "the message is shown before the turn that answers it"
+        other = clients[1 - k]
+        assert turn_frames(other, message) == []
+    for client, session_id in zip(clients, sessions, strict=True):
+        assert {f["event"]["session_id"] for f in client.of("event")} == {str(session_id)}

@@ -1,0 +1,106 @@
+"""`Confirmations` against the real session_events service (a process of its own), on real
+NATS and Postgres: events waiting together, of any sessions, are confirmed by one read of
+the log; a forged copy among them is answered None and counted, the real ones their log
+copy; an event does not wait for a read under way before its own; a log that does not
+answer confirms nothing and counts no forgery."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest_asyncio
+from nats.aio.client import Client
+
+from contracts import subjects
+from contracts.catalog import Command
+from contracts.common import ErrorCode
+from contracts.events import ChatMessage, Event, EventType
+from domain.errors import DomainError
+from servicekit.client import CRep, CReq, call
+from servicekit.provenance import FORGED_EVENTS, Confirmations
+from servicekit.sessionlog import SessionLogClient
+from servicekit.testing import wait_for
+
+PERSON = "user:ana"
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def log(spawn: Any, nc: Client) -> SessionLogClient:
+    """A client of the session_events service, running as its own process."""
+    await spawn("session_events").wait_ready(nc, "session_events")
+    return SessionLogClient(nc)
+
+
+async def said(log: SessionLogClient, session_id: uuid.UUID, text: str) -> Event:
+    """A chat message appended, as the log committed it."""
+    appended = await log.append(session_id, EventType.CHAT_MESSAGE, PERSON, ChatMessage(text=text))
+    (event,) = await log.get([appended.event_id])
+    return event
+
+
+async def test_events_waiting_together_are_confirmed_by_one_read_forgeries_refused(
+    log: SessionLogClient, nc: Client
+) -> None:
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    sessions = [(await log.open(project, PERSON)).session_id for _ in range(3)]
+    real = [await said(log, s, f"message {i}") for s in sessions for i in range(2)]
+    altered = real[0].model_copy(update={"payload": {"text": "forged"}})
+    unknown = real[1].model_copy(update={"id": uuid.uuid4()})
+    forged_before = FORGED_EVENTS.copy()
+    reads = await nc.subscribe(subjects.EVENTS_GET)  # no callback: its messages wait, counted
+    await nc.flush()
+
+    confirmations = Confirmations(log, consumer="test")
+    answers = await asyncio.gather(*(confirmations.confirm(e) for e in [*real, altered, unknown]))
+
+    assert answers == [*real, None, None]
+    assert FORGED_EVENTS - forged_before == {"payload_differs": 1, "not_in_log": 1}
+    await nc.flush()  # our own request, echoed to `reads`, is queued before flush returns
+    assert reads.pending_msgs == 1, "one read of the log for all eight"
+    await reads.unsubscribe()
+
+
+async def test_a_log_that_does_not_answer_confirms_nothing_and_counts_no_forgery(
+    log: SessionLogClient, nc: Client
+) -> None:
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    event = await said(log, (await log.open(project, PERSON)).session_id, "hello")
+    asked: list[str] = []
+
+    async def silent(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        asked.append(command.subject)
+        raise DomainError(ErrorCode.UNAVAILABLE, f"{command.subject} did not answer")
+
+    forged_before = FORGED_EVENTS.copy()
+    away = SessionLogClient(nc, caller=silent)
+    confirmations = Confirmations(away, consumer="test", attempts=2, retry_seconds=0)
+
+    assert await confirmations.confirm(event) is None
+    assert asked == [subjects.EVENTS_GET] * 2, "asked again once, then given up"
+    assert not FORGED_EVENTS - forged_before, "no forgery counted"
+
+
+async def test_an_event_is_not_held_behind_a_read_under_way(
+    log: SessionLogClient, nc: Client
+) -> None:
+    session_id = (await log.open(f"proj-{uuid.uuid4().hex[:8]}", PERSON)).session_id
+    first, second = [await said(log, session_id, text) for text in ("one", "two")]
+    released = asyncio.Event()
+    asked: list[str] = []
+
+    async def first_read_held(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        asked.append(command.subject)
+        if len(asked) == 1:
+            await released.wait()  # a busy log, slow to answer the first read
+        return await call(nc, command, request, timeout=timeout)
+
+    confirmations = Confirmations(SessionLogClient(nc, caller=first_read_held), consumer="test")
+    held = asyncio.create_task(confirmations.confirm(first))
+    await wait_for(lambda: asked, what="the first read")
+
+    assert await confirmations.confirm(second) == second
+    assert not held.done()
+    released.set()
+    assert await held == first
