@@ -15,9 +15,9 @@ from pathlib import Path
 import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import Header, StorageType, StreamConfig
+from nats.js.api import Header, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
-from nats.js.kv import KV_DEL, KV_OP
+from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from contracts.streams import StreamSpec
 from servicekit.logs import get_logger
@@ -169,14 +169,37 @@ async def check_streams(
     return problems
 
 
-async def kv_delete(js: JetStreamContext, bucket: str, key: str, last: int) -> int:
-    """Delete `key` of the KV `bucket` if its revision is still `last`, as nats-py's
-    `KeyValue.delete(key, last=…)` does, and return the delete marker's revision, which
-    that one does not: a caller that writes the key again next can compare-and-set on
-    the marker (`kv.update(key, value, last=marker)`) in one round trip."""
-    ack = await js.publish(
-        f"$KV.{bucket}.{key}",
-        b"",
-        headers={KV_OP: KV_DEL, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)},
-    )
-    return ack.seq
+@dataclass(frozen=True)
+class Bucket:
+    """A KV bucket: nats-py's `KeyValue` (`kv`) for reads and writes, and what it lacks,
+    so a caller never spells the bucket's stream or subjects itself."""
+
+    js: JetStreamContext
+    name: str
+    kv: KeyValue
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, config: KeyValueConfig) -> Bucket:
+        """Create the bucket, or bring an existing one's TTL to `config`'s: replicas share
+        one setting, and the newest wins."""
+        try:
+            kv = await js.create_key_value(config)
+        except BadRequestError:  # exists with another TTL
+            info = await js.stream_info(f"KV_{config.bucket}")
+            info.config.max_age = config.ttl
+            info.config.duplicate_window = min(config.ttl or 120.0, 120.0)
+            await js.update_stream(info.config)
+            kv = await js.key_value(config.bucket)
+        return cls(js, config.bucket, kv)
+
+    async def delete(self, key: str, last: int) -> int:
+        """Delete `key` if its revision is still `last`, as `KeyValue.delete(key, last=…)`
+        does, and return the delete marker's revision, which that one does not: a caller
+        that writes the key again next can compare-and-set on the marker
+        (`kv.update(key, value, last=marker)`) in one round trip."""
+        ack = await self.js.publish(
+            f"$KV.{self.name}.{key}",
+            b"",
+            headers={KV_OP: KV_DEL, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)},
+        )
+        return ack.seq

@@ -34,7 +34,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from servicekit.bus import kv_delete
+from servicekit.bus import Bucket
 from servicekit.logs import get_logger
 from servicekit.patience import is_unavailable
 
@@ -57,21 +57,19 @@ class SessionLeases:
         self._js = js
         self._instance = instance.encode()
         self._ttl = ttl_seconds
-        self._kv: KeyValue | None = None
+        self._bucket: Bucket | None = None
         # By session key: the revision of the delete marker this replica's release left.
         self._released: dict[str, int] = {}
 
     async def open(self, replicas: int = 1) -> None:
         """Create the bucket, or bring its TTL to ours (replicas share one setting)."""
         config = KeyValueConfig(bucket=BUCKET, ttl=self._ttl, history=1, replicas=replicas)
-        try:
-            self._kv = await self._js.create_key_value(config)
-        except BadRequestError:  # exists with another TTL: the newest setting wins
-            info = await self._js.stream_info(f"KV_{BUCKET}")
-            info.config.max_age = self._ttl
-            info.config.duplicate_window = min(self._ttl, 120.0)
-            await self._js.update_stream(info.config)
-            self._kv = await self._js.key_value(BUCKET)
+        self._bucket = await Bucket.open(self._js, config)
+
+    @property
+    def _opened(self) -> Bucket:
+        assert self._bucket is not None, "open() first"
+        return self._bucket
 
     def may_resume(self, session_id: UUID) -> bool:
         """Whether this replica released the session last it knows, so its next `hold` may
@@ -84,8 +82,7 @@ class SessionLeases:
 
         Yields whether the lease was resumed: taken from this replica's own release, with
         no other holder in between."""
-        assert self._kv is not None, "open() first"
-        kv, key = self._kv, str(session_id)
+        kv, key = self._opened.kv, str(session_id)
         revision, resumed = await self._acquire(kv, key)
         state = {"revision": revision}
         done = asyncio.Event()
@@ -135,16 +132,15 @@ class SessionLeases:
 
     async def _entry(self, key: str) -> KeyValue.Entry | None:
         """The key as it is now; None when it is absent, deleted or expired."""
-        assert self._kv is not None, "open() first"
         try:
-            return await self._kv.get(key)
+            return await self._opened.kv.get(key)
         except KeyNotFoundError:  # KeyDeletedError too
             return None
 
     async def _release(self, key: str, revision: int) -> None:
         """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
         writes), remembering the marker's revision, which `kv.delete` does not return."""
-        marker = await kv_delete(self._js, BUCKET, key, last=revision)
+        marker = await self._opened.delete(key, last=revision)
         self._released.pop(key, None)
         self._released[key] = marker
         if len(self._released) > REMEMBERED_RELEASES:
