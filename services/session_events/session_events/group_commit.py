@@ -1,18 +1,24 @@
-"""Group commit of `cmd.events.append`: appends that arrive together share one transaction.
+"""Group commit of `cmd.events.append`: appends that arrive together are written together.
 
 Each append is validated on its own first (type, payload, size: `handlers.append`), then
 waits here. While a batch is being written the next appends gather, and the next batch
-takes them all: one transaction, the sessions locked once (in id order), one look-up of
-idempotency keys and of causes, one multi-row insert with one outbox row per event and
-one NOTIFY. With one producer a batch is one append, so nothing waits for a timer.
+takes them all. With one producer a batch is one append, so nothing waits for a timer.
 
-Every rule stays per append: `decide` applies the log's rules to each one against the
-locked sessions, so a refused append gets its own coded error and writes nothing while
-the others of its batch go in. The seq comes from the session row locked `FOR UPDATE`,
-so replicas batching appends to the same session still hand out gap-free seqs. Each
-append is answered only after its batch committed; a batch that fails as a whole is
-rolled back (nothing half-written), and when a statement failed, each of its appends is
-tried again alone, so only the one Postgres cannot keep fails.
+A batch costs two round trips and holds no lock while Python decides: one statement reads
+its sessions, the events its idempotency keys already wrote and its causes; `decide`
+applies the log's rules to each append against them; one statement writes every event,
+one outbox row each, moves the sessions' `last_seq` on and sends one NOTIFY. That write
+is a compare-and-set: it moves a session on only from the `last_seq` the read found, and
+when another writer moved one in between (a replica's batch, a close) it writes nothing
+and the batch is decided again the old way, in a transaction holding the sessions' rows
+`FOR UPDATE` (in id order). Either way seqs stay gap-free and each key is written once.
+A single statement is all or nothing, so a crash leaves a batch wholly written (its
+callers' retries are answered with it: idempotency keys) or not written at all.
+
+Every rule stays per append: a refused append gets its own coded error and writes nothing
+while the others of its batch go in. Each append is answered only after its batch
+committed; when the write failed (a value Postgres refuses), each of its appends is tried
+again alone, so only the one Postgres cannot keep fails.
 
 Appends sent together (`append_chain`, `cmd.events.append_many`) keep their order: each
 waits behind the one before it of its session, and when that one failed to be written (an
@@ -35,10 +41,16 @@ from contracts.events import Event, EventType
 from contracts.session_events import AppendedReply
 from domain import log_rules
 from domain.errors import DomainError
-from domain.log_rules import CausationFacts
 from servicekit.faults import crash_point
 from servicekit.telemetry import inject_headers
-from session_events.repository import LockedSession, LogRepository, NewEvent, next_event
+from session_events.repository import (
+    BatchFacts,
+    LogRepository,
+    LogTransaction,
+    NewEvent,
+    Written,
+    next_event,
+)
 
 # The most appends one transaction takes; the rest wait for the next batch.
 MAX_BATCH = 256
@@ -74,19 +86,16 @@ class Decided:
 
 
 def decide(
-    batch: Sequence[Pending],
-    sessions: Mapping[UUID, LockedSession],
-    earlier: Mapping[tuple[UUID, str], Event],
-    causes: Mapping[UUID, CausationFacts],
-    new_event: Callable[..., Event] = next_event,
+    batch: Sequence[Pending], facts: BatchFacts, new_event: Callable[..., Event] = next_event
 ) -> Decided:
     """Each append of `batch` judged by the log's rules, as if they came one by one in this
     order: the next seq of its session, or a refusal; a repeated idempotency key (earlier,
     or earlier in the batch) answers with the event its first append wrote."""
     decided = Decided([], [], [])
-    keyed = dict(earlier)
+    keyed = dict(facts.earlier)
+    causes = facts.causes
     for p in batch:
-        session = sessions.get(p.session_id)
+        session = facts.sessions.get(p.session_id)
         key = (p.session_id, p.idempotency_key) if p.idempotency_key is not None else None
         try:
             if session is None:
@@ -111,7 +120,7 @@ def decide(
         event = new_event(session, p.type, p.actor, p.payload, p.causation_id)
         session.last_seq = event.seq
         if key is not None:
-            keyed[key] = event
+            keyed[key] = Written(event.id, event.seq)
         decided.written.append(NewEvent(event, p.idempotency_key))
         decided.trace.append(p.trace)
         decided.outcomes.append(AppendedReply(event_id=event.id, seq=event.seq))
@@ -130,7 +139,8 @@ class GroupCommit:
         self._max_batch = max_batch
         self._waiting: list[Waiting] = []
         self._writer: asyncio.Task[None] | None = None
-        self.batches = 0  # transactions committed or tried, for tests and benches
+        self.batches = 0  # batches written or tried, for tests and benches
+        self.decided_again = 0  # batches whose unlocked read went stale before their write
 
     async def append(self, pending: Pending) -> AppendedReply:
         """Append once the batch it joins committed; raise its refusal when refused."""
@@ -204,20 +214,37 @@ class GroupCommit:
                     answer.set_result(outcome)
 
     async def _transaction(self, batch: list[Pending]) -> list[Outcome]:
+        """Decide the batch on what one unlocked read finds and write it with one guarded
+        statement: two round trips, no lock held while Python decides. When a session
+        moved in between (another replica's batch, a close), nothing was written: decide
+        again with the sessions locked."""
         self.batches += 1
-        async with self._repo.transaction() as tx:
-            try:
-                sessions = await tx.lock_sessions(p.session_id for p in batch)
-                keys = [(p.session_id, p.idempotency_key) for p in batch if p.idempotency_key]
-                earlier = await tx.events_by_keys(keys)
-                causes = await tx.causations(p.causation_id for p in batch if p.causation_id)
-                decided = decide(batch, sessions, earlier, causes)
-                if decided.written:
-                    await tx.write(decided.written, decided.trace)
-                crash_point("append.batch_written")
-            except asyncpg.PostgresError as exc:
-                raise _StatementFailed(repr(exc)) from exc
-        return decided.outcomes
+        try:
+            async with self._repo.autocommit() as statements:
+                return await _decide_and_write(statements, batch)
+        except asyncpg.TransactionRollbackError:  # moved (or, rarely, a deadlock): undone
+            self.decided_again += 1
+            async with self._repo.transaction() as tx:
+                await tx.lock_sessions(p.session_id for p in batch)
+                return await _decide_and_write(tx, batch)
+
+
+async def _decide_and_write(tx: LogTransaction, batch: list[Pending]) -> list[Outcome]:
+    try:
+        facts = await tx.batch_facts(
+            (p.session_id for p in batch),
+            ((p.session_id, p.idempotency_key) for p in batch if p.idempotency_key),
+            (p.causation_id for p in batch if p.causation_id),
+        )
+        decided = decide(batch, facts)
+        if decided.written:
+            await tx.write(decided.written, decided.trace)
+        crash_point("append.batch_written")
+    except asyncpg.TransactionRollbackError:
+        raise
+    except asyncpg.PostgresError as exc:
+        raise _StatementFailed(repr(exc)) from exc
+    return decided.outcomes
 
 
 def _settle(batch: list[Waiting], exc: BaseException) -> None:

@@ -39,7 +39,7 @@ from servicekit.endpoint import error_body
 from servicekit.service import Service
 from servicekit.telemetry import inject_headers
 from session_events.group_commit import GroupCommit, Pending
-from session_events.repository import LockedSession, LogRepository, LogTransaction
+from session_events.repository import LogRepository, LogTransaction, SessionState
 
 SERVICE = "session_events"
 VERSION = "0.1.0"
@@ -52,7 +52,7 @@ svc = Service(
 )
 
 
-def _already_closed(session: LockedSession) -> DomainError:
+def _already_closed(session: SessionState) -> DomainError:
     return DomainError(
         ErrorCode.SESSION_CLOSED,
         f"session {session.id} is already {session.status}; nothing was changed",
@@ -62,7 +62,7 @@ def _already_closed(session: LockedSession) -> DomainError:
 
 
 async def close_session(
-    tx: LogTransaction, session: LockedSession, reason: str | None, closed_by: str | None
+    tx: LogTransaction, session: SessionState, reason: str | None, closed_by: str | None
 ) -> SessionClosedReply:
     """End an open session: status, reason and the closing event, in the caller's transaction."""
     if not session.is_open:

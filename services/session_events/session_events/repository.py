@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID, uuid4
 
 import asyncpg
@@ -32,8 +32,10 @@ SESSION_COLUMNS = (
 
 
 @dataclass
-class LockedSession:
-    """A session row held under `FOR UPDATE` for the rest of the transaction."""
+class SessionState:
+    """A session row as a statement read it: under `FOR UPDATE` for the rest of the
+    transaction (close, the reaper, a batch decided again), or unlocked for a batch whose
+    write then checks that `last_seq` has not moved (`LogTransaction.write`)."""
 
     id: UUID
     project_id: str
@@ -46,6 +48,22 @@ class LockedSession:
         return self.status == "open"
 
 
+class Written(NamedTuple):
+    """An event in the log, as the answer to a repeated append names it."""
+
+    id: UUID
+    seq: int
+
+
+@dataclass(frozen=True)
+class BatchFacts:
+    """What the log's rules need to decide a batch of appends, read in one statement."""
+
+    sessions: dict[UUID, SessionState]
+    earlier: dict[tuple[UUID, str], Written]  # by (session, idempotency key)
+    causes: dict[UUID, CausationFacts]
+
+
 @dataclass(frozen=True)
 class NewEvent:
     """An event to write, and the idempotency key its append carried."""
@@ -55,7 +73,7 @@ class NewEvent:
 
 
 def next_event(
-    session: LockedSession,
+    session: SessionState,
     event_type: EventType,
     actor: str,
     payload: dict[str, Any],
@@ -83,12 +101,13 @@ def _event(row: asyncpg.Record) -> Event:
 
 
 class LogTransaction:
-    """The statements that run inside one append or close transaction."""
+    """The statements that run inside one append or close transaction (or, for a batch
+    of appends, each on its own: `LogRepository.autocommit`)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
-    async def lock_session(self, session_id: UUID) -> LockedSession:
+    async def lock_session(self, session_id: UUID) -> SessionState:
         """The session, locked so appends to it serialise; refused when it does not exist."""
         row = await self._conn.fetchrow(
             """SELECT id, project_id, status, last_seq, now() AS now
@@ -97,48 +116,54 @@ class LogTransaction:
         )
         if row is None:
             raise session_not_found(session_id)
-        return LockedSession(**dict(row))
+        return SessionState(**dict(row))
 
-    async def lock_sessions(self, session_ids: Iterable[UUID]) -> dict[UUID, LockedSession]:
-        """The sessions that exist among `session_ids`, locked in id order (so replicas
+    async def lock_sessions(self, session_ids: Iterable[UUID]) -> None:
+        """Lock the sessions among `session_ids` that exist, in id order (so replicas
         locking overlapping sets wait for each other instead of deadlocking)."""
-        rows = await self._conn.fetch(
-            """SELECT id, project_id, status, last_seq, now() AS now
-                 FROM sessions WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE""",
+        await self._conn.execute(
+            "SELECT FROM sessions WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE",
             sorted(set(session_ids)),
         )
-        return {r["id"]: LockedSession(**dict(r)) for r in rows}
 
-    async def events_by_keys(
-        self, keys: Iterable[tuple[UUID, str]]
-    ) -> dict[tuple[UUID, str], Event]:
-        """The events earlier appends wrote with these (session, idempotency key) pairs."""
+    async def batch_facts(
+        self,
+        session_ids: Iterable[UUID],
+        keys: Iterable[tuple[UUID, str]],
+        causation_ids: Iterable[UUID],
+    ) -> BatchFacts:
+        """The sessions among `session_ids` that exist, the events earlier appends wrote
+        with these (session, idempotency key) pairs, and the events named as causes that
+        exist: one statement, so one round trip and one snapshot for all three."""
         pairs = list(keys)
-        if not pairs:
-            return {}
-        rows = await self._conn.fetch(
-            f"""SELECT {EVENT_COLUMNS}, idempotency_key FROM events
-                 WHERE (session_id, idempotency_key) IN
-                       (SELECT * FROM unnest($1::uuid[], $2::text[]))""",
+        row = await self._conn.fetchrow(
+            """SELECT now() AS now,
+                      ARRAY(SELECT ROW(id, project_id, status, last_seq) FROM sessions
+                             WHERE id = ANY($1::uuid[])) AS sessions,
+                      ARRAY(SELECT ROW(session_id, idempotency_key, id, seq) FROM events
+                             WHERE (session_id, idempotency_key) IN
+                                   (SELECT * FROM unnest($2::uuid[], $3::text[]))) AS earlier,
+                      ARRAY(SELECT ROW(id, session_id, type, actor) FROM events
+                             WHERE id = ANY($4::uuid[])) AS causes""",
+            list(set(session_ids)),
             [s for s, _ in pairs],
             [k for _, k in pairs],
+            list(set(causation_ids)),
         )
-        return {(r["session_id"], r["idempotency_key"]): _event(r) for r in rows}
-
-    async def causations(self, event_ids: Iterable[UUID]) -> dict[UUID, CausationFacts]:
-        """What the rules need to know of each event named as cause that exists."""
-        ids = list(set(event_ids))
-        if not ids:
-            return {}
-        rows = await self._conn.fetch(
-            "SELECT id AS event_id, session_id, type, actor FROM events WHERE id = ANY($1::uuid[])",
-            ids,
+        assert row is not None
+        now = row["now"]
+        return BatchFacts(
+            sessions={
+                id_: SessionState(id_, project_id, status, last_seq, now)
+                for id_, project_id, status, last_seq in row["sessions"]
+            },
+            earlier={(r[0], r[1]): Written(r[2], r[3]) for r in row["earlier"]},
+            causes={r[0]: CausationFacts(*r) for r in row["causes"]},
         )
-        return {r["event_id"]: CausationFacts(**dict(r)) for r in rows}
 
     async def append(
         self,
-        session: LockedSession,
+        session: SessionState,
         event_type: EventType,
         actor: str,
         payload: dict[str, Any],
@@ -153,25 +178,42 @@ class LogTransaction:
         return event
 
     async def write(self, new: Sequence[NewEvent], trace: Sequence[Mapping[str, str]] = ()) -> None:
-        """Write events (seqs already assigned, in order), bump their sessions' `last_seq`
-        and queue one outbox row each, in one statement: one round trip for a whole batch
-        while the sessions' row locks are held (bench/append.py measures why). `trace`:
-        each event's trace headers, when it came from another request than the caller's."""
+        """Write events (seqs already assigned, in order), move their sessions' `last_seq`
+        on and queue one outbox row each, in one statement: one round trip for a whole
+        batch (bench/append.py measures why). `trace`: each event's trace headers, when
+        it came from another request than the caller's.
+
+        Guarded: each session moves on only from the `last_seq` its first event follows,
+        and when one has moved since it was read the statement raises `SerializationError`
+        and writes nothing (migration 0002). A session's status changes only together
+        with its closing event (`close_session`), so `last_seq` alone tells that it moved.
+        Under a row lock the guard always holds; unlocked, it makes the write of a batch
+        decided on what one statement read a compare-and-set."""
         events = [n.event for n in new]
-        last_seq = {e.session_id: e.seq for e in events}  # in order, so the last one wins
+        read_seq: dict[UUID, int] = {}
+        last_seq: dict[UUID, int] = {}
+        for e in events:  # in order: the first seq follows the one read, the last one wins
+            read_seq.setdefault(e.session_id, e.seq - 1)
+            last_seq[e.session_id] = e.seq
+        ids = sorted(last_seq)  # id order, as `lock_sessions`: concurrent writers queue
         await Outbox(self._conn).send_many_with(
             """bump AS (UPDATE sessions s SET last_seq = b.last_seq
-                          FROM unnest($1::uuid[], $2::bigint[]) AS b(id, last_seq)
-                         WHERE s.id = b.id),
+                          FROM unnest($1::uuid[], $2::bigint[], $3::bigint[])
+                               AS b(id, read_seq, last_seq)
+                         WHERE s.id = b.id AND s.last_seq = b.read_seq
+                     RETURNING s.id),
                event AS (
                   INSERT INTO events (id, session_id, project_id, seq, type, actor,
                                       payload, causation_id, idempotency_key, created_at)
-                  SELECT * FROM unnest($3::uuid[], $4::uuid[], $5::text[], $6::bigint[],
-                                       $7::text[], $8::text[], $9::jsonb[], $10::uuid[],
-                                       $11::text[], $12::timestamptz[]))""",
+                  SELECT * FROM unnest($4::uuid[], $5::uuid[], $6::text[], $7::bigint[],
+                                       $8::text[], $9::text[], $10::jsonb[], $11::uuid[],
+                                       $12::text[], $13::timestamptz[])
+                   WHERE (SELECT sessions_unmoved(count(*), cardinality($1::uuid[]))
+                            FROM bump))""",
             [
-                list(last_seq),
-                list(last_seq.values()),
+                ids,
+                [read_seq[i] for i in ids],
+                [last_seq[i] for i in ids],
                 [e.id for e in events],
                 [e.session_id for e in events],
                 [e.project_id for e in events],
@@ -195,7 +237,7 @@ class LogTransaction:
             ],
         )
 
-    async def create_session(self, project_id: str, opened_by: str) -> LockedSession:
+    async def create_session(self, project_id: str, opened_by: str) -> SessionState:
         """Insert a new open session, locked for the rest of the transaction."""
         row = await self._conn.fetchrow(
             """INSERT INTO sessions (id, project_id, opened_by) VALUES ($1, $2, $3)
@@ -205,9 +247,9 @@ class LogTransaction:
             opened_by,
         )
         assert row is not None
-        return LockedSession(**dict(row))
+        return SessionState(**dict(row))
 
-    async def close(self, session: LockedSession, status: str, reason: str | None) -> None:
+    async def close(self, session: SessionState, status: str, reason: str | None) -> None:
         """Mark the session ended; the caller appends the closing event."""
         await self._conn.execute(
             """UPDATE sessions SET status = $2, termination_reason = $3, closed_at = now()
@@ -228,6 +270,13 @@ class LogRepository:
     async def transaction(self) -> AsyncIterator[LogTransaction]:
         """One unit of work: everything inside commits together or not at all."""
         async with self._pool.acquire() as conn, conn.transaction():
+            yield LogTransaction(conn)
+
+    @asynccontextmanager
+    async def autocommit(self) -> AsyncIterator[LogTransaction]:
+        """The same statements outside a transaction: each one commits on its own (one
+        round trip each, no BEGIN and COMMIT), for work a single statement keeps whole."""
+        async with self._pool.acquire() as conn:
             yield LogTransaction(conn)
 
     async def heartbeat(self, session_id: UUID) -> datetime | None:
@@ -310,7 +359,7 @@ class LogRepository:
     @asynccontextmanager
     async def silent_sessions(
         self, timeout_seconds: float, limit: int = 100
-    ) -> AsyncIterator[tuple[LogTransaction, list[LockedSession]]]:
+    ) -> AsyncIterator[tuple[LogTransaction, list[SessionState]]]:
         """Open sessions whose heartbeats stopped, locked; another replica skips them."""
         async with self._pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
@@ -323,4 +372,4 @@ class LogRepository:
                 timeout_seconds,
                 limit,
             )
-            yield LogTransaction(conn), [LockedSession(**dict(r)) for r in rows]
+            yield LogTransaction(conn), [SessionState(**dict(r)) for r in rows]

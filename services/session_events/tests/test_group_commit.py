@@ -190,7 +190,12 @@ async def test_a_value_postgres_refuses_fails_only_its_own_append(
     assert await seqs_of(pool, sid) == [1, 2, 3]
 
 
-async def test_a_crash_mid_batch_writes_nothing(nc: Client, spawn: Any, database_url: str) -> None:
+async def test_a_crash_after_a_batch_is_written_loses_nothing_and_duplicates_nothing(
+    nc: Client, spawn: Any, database_url: str
+) -> None:
+    """The process dies after its batch committed and before any caller heard: the events
+    stay, and the callers' retries (same idempotency keys) to another replica are answered
+    with the events already written, each written and published once."""
     doomed = spawn("session_events", AGENTBUS_FAULT_POINTS="append.batch_written")
     await doomed.wait_ready(nc, "session_events")
     opened = await call(
@@ -204,29 +209,85 @@ async def test_a_crash_mid_batch_writes_nothing(nc: Client, spawn: Any, database
             session_id=opened.session_id,
             type=CHAT.value,
             actor="user:ana",
-            payload={"text": f"lost {i}"},
+            payload={"text": f"kept {i}"},
+            idempotency_key=f"k-{i}",
         )
         for i in range(10)
     ]
-    with contextlib.suppress(Exception):  # no reply comes: the process died before commit
+    with contextlib.suppress(Exception):  # no reply comes: the process died after commit
         await asyncio.gather(
             *(call(nc, subjects.EVENTS_APPEND, r, AppendedReply, timeout=3) for r in requests)
         )
     assert doomed.wait_exit() != 0
 
+    survivor = spawn("session_events")
+    await survivor.wait_ready(nc, "session_events")
+    retried = [await call(nc, subjects.EVENTS_APPEND, r, AppendedReply) for r in requests]
+
+    assert any(r.duplicate for r in retried)  # the crashed batch was written
+    assert sorted(r.seq for r in retried) == list(range(2, 12))
     conn = await asyncpg.connect(database_url)
     try:
         state = await conn.fetchrow(
             """SELECT (SELECT last_seq FROM session_events.sessions WHERE id = $1) AS last_seq,
-                      (SELECT count(*) FROM session_events.events WHERE session_id = $1) AS events,
-                      (SELECT count(*) FROM session_events.outbox
-                        WHERE ordering_key = $1::text AND subject LIKE 'chat.%') AS queued""",
+                      (SELECT count(*) FROM session_events.events e
+                        WHERE e.session_id = $1) AS events""",
             opened.session_id,
         )
     finally:
         await conn.close()
     assert state is not None
-    assert dict(state) == {"last_seq": 1, "events": 1, "queued": 0}
+    assert dict(state) == {"last_seq": 11, "events": 11}
+    # The crashed process's outbox rows are relayed by the survivor: each event once.
+    subject = subjects.event_subject(CHAT, "crash", opened.session_id)
+    published = await wait_for(
+        lambda: _if_count(stream_messages(nc, streams.EVENTS.name, subject), 10),
+        what="every event to be published",
+    )
+    assert sorted(m.headers["Nats-Msg-Id"] for m in published) == sorted(
+        str(r.event_id) for r in retried
+    )
+
+
+async def test_a_batch_whose_session_moved_after_its_read_is_decided_again_under_lock(
+    open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    """The batch reads its session unlocked; another writer appends to the session before
+    the batch's write lands: the write finds `last_seq` moved, writes nothing, and the
+    batch is decided again with the session locked, taking the seq after the other's."""
+    sid = (await open_session()).session_id
+    async with pool.acquire() as other, other.transaction():
+        # Hold the session row as another replica's batch would while it writes.
+        await other.execute("SELECT FROM sessions WHERE id = $1 FOR UPDATE", sid)
+        mine = asyncio.ensure_future(appender.append(chat(sid, "mine")))
+        await wait_for(
+            lambda: _waiting_for_a_lock(pool), what="the batch's write to wait for the row"
+        )
+        await other.execute(
+            """WITH moved AS (UPDATE sessions SET last_seq = 2 WHERE id = $1)
+               INSERT INTO events (id, session_id, project_id, seq, type, actor, payload)
+               VALUES ($2, $1, 'proj-1', 2, 'chat.message', 'user:ana', '{"text": "theirs"}')""",
+            sid,
+            uuid.uuid4(),
+        )
+    reply = await mine
+
+    assert reply.seq == 3
+    assert appender.decided_again == 1
+    assert await seqs_of(pool, sid) == [1, 2, 3]
+    texts = await pool.fetch(
+        "SELECT payload->>'text' AS t FROM events WHERE session_id = $1 AND seq > 1 ORDER BY seq",
+        sid,
+    )
+    assert [r["t"] for r in texts] == ["theirs", "mine"]
+
+
+async def _waiting_for_a_lock(pool: asyncpg.Pool) -> bool:
+    waiting: bool = await pool.fetchval(
+        """SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                          WHERE wait_event_type = 'Lock' AND query LIKE '%sessions_unmoved%')"""
+    )
+    return waiting
 
 
 @pytest.mark.parametrize("replicas", [2])
