@@ -36,6 +36,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 import asyncpg
@@ -708,8 +709,9 @@ def retry_delay(attempts: int) -> float:
     return float(min(0.5 * 2 ** max(attempts - 1, 0), MAX_BACKOFF_SECONDS))
 
 
-CLAIM = """
-SELECT id, subject, msg_id, body, headers, attempts, ordering_key FROM outbox o
+# The rows a relay may deliver now, in order: `$1` how many at most.
+_CLAIMABLE = """
+SELECT id FROM outbox o
  WHERE available_at <= now()
    AND (ordering_key IS NULL OR (
         -- an older row of the key waits for its retry: the key waits with it
@@ -727,6 +729,14 @@ SELECT id, subject, msg_id, body, headers, attempts, ordering_key FROM outbox o
  FOR UPDATE SKIP LOCKED
 """
 
+# A relay's claim deletes what it claims, in the transaction that lives while the rows are
+# delivered: a row delivered needs no second statement, and one that was not is put back
+# (`OutboxRelay._put_back`) before the commit, so to anyone else the claim is all or
+# nothing. `ARRAY(…)`: the claimable rows are chosen once, before the delete.
+CLAIM = f"""
+DELETE FROM outbox WHERE id = ANY(ARRAY({_CLAIMABLE}))
+RETURNING id, subject, msg_id, body, headers, attempts, ordering_key, created_at
+"""
 
 # The claim of one key's rows (`OutboxRelay.deliver_now`), `$2` the key.
 CLAIM_KEY = CLAIM.replace(
@@ -802,31 +812,39 @@ class OutboxRelay:
                 if key is None
                 else conn.fetch(CLAIM_KEY, self._batch, key)
             )
-            rows = [OutboxRow(*r) for r in claimed]  # CLAIM selects the fields in order
-            if not rows:
+            if not claimed:
                 return 0
+            claimed = sorted(claimed, key=lambda r: r["id"])  # RETURNING keeps no order
+            rows = [OutboxRow(*r[:7]) for r in claimed]  # CLAIM returns the fields in order
             crash_point("outbox.before_publish")
             results = await self._sender.send(rows)
             crash_point("outbox.after_publish")
-            settled = [r.id for r, d in zip(rows, results, strict=True) if d.error is None]
-            for row, delivery in zip(rows, results, strict=True):
+            for record, row, delivery in zip(claimed, rows, results, strict=True):
                 if delivery.permanent:
                     await self._dead_letter(conn, row, delivery.error or "")
-                    settled.append(row.id)
                 elif delivery.error is not None:
-                    await self._postpone(conn, row, delivery.error)
-            await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", settled)
+                    await self._put_back(conn, row, record["created_at"], delivery.error)
             self.delivered += sum(d.error is None for d in results)
             return len(rows)
 
-    async def _postpone(self, conn: Connection, row: OutboxRow, error: str) -> None:
+    async def _put_back(
+        self, conn: Connection, row: OutboxRow, created_at: datetime, error: str
+    ) -> None:
+        """Undo the claim's delete of a row not delivered, to be tried again later: the
+        same id (its place in its key's order) and age, one more attempt."""
         attempts = row.attempts + 1
         await conn.execute(
-            """UPDATE outbox SET attempts = $2, last_error = $3,
-                      available_at = now() + make_interval(secs => $4)
-                WHERE id = $1""",
+            """INSERT INTO outbox (id, subject, msg_id, body, headers, attempts, ordering_key,
+                                   created_at, last_error, available_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now() + make_interval(secs => $10))""",
             row.id,
+            row.subject,
+            row.msg_id,
+            row.body,
+            row.headers,
             attempts,
+            row.ordering_key,
+            created_at,
             error,
             retry_delay(attempts),
         )

@@ -235,7 +235,9 @@ async def test_a_subject_no_stream_captures_keeps_the_row_with_backoff_until_one
 ) -> None:
     prefix = f"late{uuid.uuid4().hex[:10]}"
     relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=0.1)
-    await enqueue_committed(pool, f"{prefix}.a", "evt-1")
+    await enqueue_committed(pool, f"{prefix}.a", "evt-1", b'{"n": 1}', {"traceparent": "t"})
+    kept = "SELECT id, subject, msg_id, body, headers, ordering_key, created_at FROM outbox"
+    written = dict(await pool.fetchrow(kept) or {})
 
     # claimed, but JetStream had no responder: put off by retry_delay(1)
     low, high = await drain_postponing(relay, pool)
@@ -243,6 +245,8 @@ async def test_a_subject_no_stream_captures_keeps_the_row_with_backoff_until_one
     [row] = await outbox_rows(pool)
     assert row["attempts"] == 1
     assert "NoStreamResponse" in row["last_error"]
+    # The claim deleted it and put it back: the same row (its place in order, its age).
+    assert dict(await pool.fetchrow(kept) or {}) == written
     assert await relay.drain_once() == 0  # not due yet
     assert relay.delivered == 0
 
