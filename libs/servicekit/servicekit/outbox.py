@@ -200,11 +200,18 @@ class Outbox:
         return await self._with(effect, args, queued, returning)
 
     async def send_many_with(
-        self, effect: str, args: Sequence[Any], messages: Sequence[Queued], returning: str = ""
+        self,
+        effect: str,
+        args: Sequence[Any],
+        messages: Sequence[Queued],
+        returning: str = "",
+        notify: bool = True,
     ) -> list[dict[str, Any]]:
         """`send_with` for many rows at once: the effect (CTEs, parameters
         `$1`..`$len(args)`) and every row in one statement, and one wake-up for all. With
-        `returning`, the rows of that CTE come back."""
+        `returning`, the rows of that CTE come back. `notify` False: no NOTIFY, for a
+        writer that wakes the relay of its own process itself (`OutboxRelay.wake`)
+        once the rows are committed; other relays find them by polling."""
         columns: list[list[Any]] = [[], [], [], [], []]
         for m in messages:
             headers = dict(m.headers) if m.headers is not None else inject_headers()
@@ -213,7 +220,9 @@ class Outbox:
             ):
                 column.append(value)
         rows = await self._conn.fetch(
-            f"WITH {effect}, {_queue_many_statement(len(args) + 1, returning)}", *args, *columns
+            f"WITH {effect}, {_queue_many_statement(len(args) + 1, returning, notify)}",
+            *args,
+            *columns,
         )
         return [_without_notify(r) for r in rows] if returning else []
 
@@ -253,11 +262,12 @@ class Queued:
     headers: Mapping[str, str] | None = None
 
 
-def _queue_many_statement(first: int, returning: str = "") -> str:
+def _queue_many_statement(first: int, returning: str = "", notify: bool = True) -> str:
     """`_queue_statement` for many rows: five arrays, `$first`..`$first+4`, one element a
     row, inserted in array order (so a key's rows keep the order they were given in)."""
     p = [f"${first + i}" for i in range(5)]
-    tail = f"SELECT {returning}.*, {_NOTIFY} FROM {returning}" if returning else f"SELECT {_NOTIFY}"
+    wake = _NOTIFY if notify else "NULL AS pg_notify"
+    tail = f"SELECT {returning}.*, {wake} FROM {returning}" if returning else f"SELECT {wake}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
         "SELECT subject, msg_id, body, headers, ordering_key "
@@ -784,6 +794,11 @@ class OutboxRelay:
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
 
+    def wake(self) -> None:
+        """Rows were just committed by this process: drain now, without their NOTIFY
+        (each NOTIFY signals every listening backend of the database)."""
+        self._wake.set()
+
     async def deliver_now(self, key: str, timeout: float) -> bool:
         """Deliver the committed rows of `key` now rather than at the relay's next wake-up,
         in their order; True once none is left (delivered here or by another relay, which
@@ -885,7 +900,7 @@ class OutboxRelay:
         while True:
             try:
                 async with self._pool.acquire() as conn:
-                    wake = lambda *_: self._wake.set()  # noqa: E731
+                    wake = lambda *_: self.wake()  # noqa: E731
                     channel = notify_channel(await conn.fetchval("SELECT current_schema()"))
                     await conn.add_listener(channel, wake)
                     try:

@@ -23,12 +23,12 @@ async def main(settings: LogSettings | None = None) -> None:
     settings = settings or LogSettings()
     async with svc.open(settings) as rt:
         repo = LogRepository(rt.pool)
-        rt.relay(JetStreamPublisher(rt.nc))
+        relay = rt.relay(JetStreamPublisher(rt.nc))
         rt.background(
             run_reaper(repo, settings.heartbeat_timeout_seconds, settings.reaper_interval_seconds),
             "reaper",
         )
-        await svc.serve(rt, repo=repo, appender=GroupCommit(repo))
+        await svc.serve(rt, repo=repo, appender=GroupCommit(repo, relay))
 
 
 def run() -> None:

@@ -177,11 +177,17 @@ class LogTransaction:
         session.last_seq = event.seq
         return event
 
-    async def write(self, new: Sequence[NewEvent], trace: Sequence[Mapping[str, str]] = ()) -> None:
+    async def write(
+        self,
+        new: Sequence[NewEvent],
+        trace: Sequence[Mapping[str, str]] = (),
+        notify: bool = True,
+    ) -> None:
         """Write events (seqs already assigned, in order), move their sessions' `last_seq`
         on and queue one outbox row each, in one statement: one round trip for a whole
         batch (bench/append.py measures why). `trace`: each event's trace headers, when
-        it came from another request than the caller's.
+        it came from another request than the caller's. `notify` False: the caller wakes
+        its relay itself after the commit (`Outbox.send_many_with`).
 
         Guarded: each session moves on only from the `last_seq` its first event follows,
         and when one has moved since it was read the statement raises `SerializationError`
@@ -235,6 +241,7 @@ class LogTransaction:
                 )
                 for i, e in enumerate(events)
             ],
+            notify=notify,
         )
 
     async def create_session(self, project_id: str, opened_by: str) -> SessionState:

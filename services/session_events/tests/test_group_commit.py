@@ -33,7 +33,8 @@ from contracts.session_events import (
 )
 from domain.errors import DomainError
 from servicekit.client import call
-from servicekit.db import create_pool
+from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
+from servicekit.outbox import JetStreamPublisher, OutboxRelay, notify_channel
 from servicekit.testing import stream_messages, wait_for
 from session_events.group_commit import GroupCommit, Pending
 from session_events.repository import LogRepository
@@ -366,3 +367,52 @@ async def test_append_many_answers_each_event_on_its_own_in_order(
     ]
     assert await seqs_of(pool, sid) == [1, 2, 3]
     assert await seqs_of(pool, closed) == [1, 2]
+
+
+async def test_a_batch_wakes_the_relay_of_its_process_instead_of_notifying(
+    nc: Client, database_url: str
+) -> None:
+    """Given the relay of its process, a committed batch wakes it directly: no NOTIFY
+    (each one signals every listening backend of the database), and its rows are
+    delivered at once, not at the relay's next poll (an hour away here)."""
+    schema = f"log_wake_{uuid.uuid4().hex[:8]}"
+    pool = await create_pool(database_url, schema)
+    listener = await asyncpg.connect(database_url)
+    heard: list[str] = []
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=3600)
+    running: asyncio.Task[None] | None = None
+    try:
+        await migrate(pool, schema, [KIT_MIGRATIONS, "session_events.migrations"])
+        await listener.add_listener(notify_channel(schema), lambda *args: heard.append(args[1]))
+        running = asyncio.create_task(relay.run())
+        await wait_for(lambda: _listening(pool, schema), what="the relay to listen")
+        repo = LogRepository(pool)
+        async with repo.transaction() as tx:
+            session = await tx.create_session("wake", "user:ana")
+
+        reply = await GroupCommit(repo, relay).append(chat(session.id, "hi"))
+
+        await wait_for(lambda: relay.delivered == 1, what="the relay, woken, to deliver")
+        await listener.fetchval("SELECT 1")  # a NOTIFY of the commit would be in by now
+        assert heard == []
+        published = await stream_messages(
+            nc, streams.EVENTS.name, subjects.event_subject(CHAT, "wake", session.id)
+        )
+        assert [m.headers["Nats-Msg-Id"] for m in published] == [str(reply.event_id)]
+    finally:
+        if running is not None:  # its connections go back to the pool before it closes
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+        await listener.close()
+        await pool.execute(f"DROP SCHEMA {schema} CASCADE")
+        await pool.close()
+
+
+async def _listening(pool: asyncpg.Pool, schema: str) -> bool:
+    listening: bool = await pool.fetchval(
+        """SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                          WHERE application_name = $1 AND query LIKE 'LISTEN%')""",
+        schema,
+    )
+    return listening
