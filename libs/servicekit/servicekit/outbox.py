@@ -134,11 +134,6 @@ def announced(event: AppendEvent) -> Announcement:
     return Announcement(event, log_rules.validate_payload(event_type, event.payload))
 
 
-# What of an envelope is not the envelope (an `AppendEvent`'s payload is written as
-# `check_appendable` serialised it).
-_PAYLOAD = frozenset({"payload"})
-
-
 def check_appendable(event: Announcement) -> bytes:
     """The `cmd.events.append` request of `event`, or, before anything is committed, the
     refusal the log would give its shape: an unknown or reserved type, a payload that is
@@ -161,8 +156,9 @@ def check_appendable(event: Announcement) -> bytes:
     # log measures too (it keeps a payload as its contract model dumps it).
     payload = event.payload.model_dump_json().encode()
     log_rules.check_payload_size(len(payload))
-    envelope = event.envelope.model_dump_json(exclude=_PAYLOAD).encode()
-    # The payload as the envelope's last member, where `AppendEvent` puts it.
+    # An `AppendEvent` is its own envelope: its payload is written as serialised here,
+    # as the envelope's last member, where `AppendEvent` puts it.
+    envelope = event.envelope.model_dump_json(exclude={"payload"}).encode()
     return envelope[:-1] + b',"payload":' + payload + b"}"
 
 
