@@ -120,14 +120,16 @@ def _queue_args(
 class Announcement:
     """An event for the session log as a service announces it: its envelope and its
     payload as the contract model of its type. Both were validated when they were built
-    (by their constructors), so the outbox checks only what construction cannot know:
-    that the payload is its type's model and fits the log (`check_appendable`)."""
+    by their constructors (never `model_construct`), so the outbox checks only what
+    construction cannot know: that the payload is its type's model and fits the log
+    (`check_appendable`). A service that builds the payload model anyway saves the
+    `AppendEvent` route its second validation and its dict round trip."""
 
     envelope: AppendEnvelope
     payload: Message
 
 
-def announced(event: AppendEvent) -> Announcement:
+def _announced(event: AppendEvent) -> Announcement:
     """`event` with its payload parsed by its type's contract model: the one validation
     of a payload that comes as JSON (refused with the log's code, `invalid_payload`…)."""
     event_type = log_rules.parse_event_type(event.type)
@@ -169,7 +171,7 @@ def _append_args(event: AppendEvent | Announcement) -> list[Any]:
     if envelope.idempotency_key is None:
         raise ValueError("an event appended through the outbox needs an idempotency_key")
     if not isinstance(event, Announcement):
-        event = announced(event)
+        event = _announced(event)
     return _queue_args(
         subjects.EVENTS_APPEND,
         envelope.idempotency_key,
