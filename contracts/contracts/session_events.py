@@ -51,15 +51,21 @@ class SessionOpenedReply(Message):
     event_id: UUID
 
 
-class AppendEvent(Message):
-    """`cmd.events.append`: append one event to a session's log."""
+class AppendEnvelope(Message):
+    """What `cmd.events.append` says of an event besides its payload: its session, type
+    and author, what caused it, and the key that makes a repeat a no-op."""
 
     session_id: UUID
     type: EventTypeName
     actor: Actor
-    payload: JsonObject
     causation_id: UUID | None = None
     idempotency_key: Key | None = None
+
+
+class AppendEvent(AppendEnvelope):
+    """`cmd.events.append`: append one event to a session's log."""
+
+    payload: JsonObject
 
 
 class AppendedReply(Message):

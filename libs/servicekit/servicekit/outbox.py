@@ -45,9 +45,11 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from contracts import subjects
-from contracts.common import ErrorBody, ErrorCode
-from contracts.session_events import APPEND_MANY_MAX, AppendEvent
+from contracts.common import ErrorBody, ErrorCode, Message
+from contracts.events import PAYLOADS
+from contracts.session_events import APPEND_MANY_MAX, AppendEnvelope, AppendEvent
 from domain import log_rules
+from domain.errors import DomainError
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
 from servicekit.faults import crash_point
@@ -115,30 +117,67 @@ def _queue_args(
     ]
 
 
-def check_appendable(event: AppendEvent) -> None:
-    """Refuse, before anything is committed, an event the log would refuse for its shape:
-    an unknown or reserved type, a payload its contract model rejects, an oversized one.
+@dataclass(frozen=True)
+class Announcement:
+    """An event for the session log as a service announces it: its envelope and its
+    payload as the contract model of its type. Both were validated when they were built
+    by their constructors (never `model_construct`), so the outbox checks only what
+    construction cannot know: that the payload is its type's model and fits the log
+    (`check_appendable`). A service that builds the payload model anyway saves the
+    `AppendEvent` route its second validation and its dict round trip."""
+
+    envelope: AppendEnvelope
+    payload: Message
+
+
+def _announced(event: AppendEvent) -> Announcement:
+    """`event` with its payload parsed by its type's contract model: the one validation
+    of a payload that comes as JSON (refused with the log's code, `invalid_payload`…)."""
+    event_type = log_rules.parse_event_type(event.type)
+    return Announcement(event, log_rules.validate_payload(event_type, event.payload))
+
+
+def check_appendable(event: Announcement) -> bytes:
+    """The `cmd.events.append` request of `event`, or, before anything is committed, the
+    refusal the log would give its shape: an unknown or reserved type, a payload that is
+    not its type's contract model, an oversized one.
 
     A service's state change and its event commit together or not at all; an event the
     log could never take would leave the change announced to nobody (issue 11), so the
     command is refused with the log's own code instead (`invalid_payload`, …).
     """
-    event_type = log_rules.parse_event_type(event.type)
-    parsed = log_rules.validate_payload(event_type, event.payload)
-    log_rules.check_payload_size(len(parsed.model_dump_json().encode()))
+    event_type = log_rules.parse_event_type(event.envelope.type)
+    contract = PAYLOADS[event_type]
+    if type(event.payload) is not contract:
+        raise DomainError(
+            ErrorCode.INVALID_PAYLOAD,
+            f"invalid {event_type.value} payload: a {type(event.payload).__name__}, "
+            f"where its contract is {contract.__name__}",
+            errors=[{"loc": [], "msg": f"must be a {contract.__name__}", "type": "model_type"}],
+        )
+    # Serialised once: the size checked is that of the bytes written, which are what the
+    # log measures too (it keeps a payload as its contract model dumps it).
+    payload = event.payload.model_dump_json().encode()
+    log_rules.check_payload_size(len(payload))
+    # An `AppendEvent` is its own envelope: its payload is written as serialised here,
+    # as the envelope's last member, where `AppendEvent` puts it.
+    envelope = event.envelope.model_dump_json(exclude={"payload"}).encode()
+    return envelope[:-1] + b',"payload":' + payload + b"}"
 
 
-def _append_args(event: AppendEvent) -> list[Any]:
+def _append_args(event: AppendEvent | Announcement) -> list[Any]:
     """`_queue_args` for an event to append to the session log (see `Outbox.append`);
     raises `DomainError` for an event the log would refuse (`check_appendable`)."""
-    if event.idempotency_key is None:
+    envelope = event.envelope if isinstance(event, Announcement) else event
+    if envelope.idempotency_key is None:
         raise ValueError("an event appended through the outbox needs an idempotency_key")
-    check_appendable(event)
+    if not isinstance(event, Announcement):
+        event = _announced(event)
     return _queue_args(
         subjects.EVENTS_APPEND,
-        event.idempotency_key,
-        event.model_dump_json().encode(),
-        ordering_key=str(event.session_id),
+        envelope.idempotency_key,
+        check_appendable(event),
+        ordering_key=str(envelope.session_id),
     )
 
 
@@ -156,11 +195,12 @@ class Outbox:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
-    async def append(self, event: AppendEvent) -> None:
+    async def append(self, event: AppendEvent | Announcement) -> None:
         """Append `event` to the session log after commit, in its session's order.
 
         Its idempotency key is required: it makes a repeated append a no-op. An event
-        the log would refuse raises `DomainError` now (`check_appendable`)."""
+        the log would refuse raises `DomainError` now (`check_appendable`). An
+        `Announcement` is not validated again: build one where the payload is built."""
         await self._conn.execute(f"WITH {_queue_statement(1)}", *_append_args(event))
 
     async def send(
@@ -179,7 +219,11 @@ class Outbox:
         )
 
     async def append_with(
-        self, effect: str, args: Sequence[Any], event: AppendEvent, returning: str = ""
+        self,
+        effect: str,
+        args: Sequence[Any],
+        event: AppendEvent | Announcement,
+        returning: str = "",
     ) -> dict[str, Any] | None:
         """`append`, in one statement with `effect`: CTEs (`name AS (…)`, parameters
         `$1`..`$len(args)`). With `returning`, the row of that CTE comes back."""
@@ -227,7 +271,11 @@ class Outbox:
         return [_without_notify(r) for r in rows] if returning else []
 
     async def append_many_with(
-        self, effect: str, args: Sequence[Any], events: Sequence[AppendEvent], returning: str = ""
+        self,
+        effect: str,
+        args: Sequence[Any],
+        events: Sequence[AppendEvent | Announcement],
+        returning: str = "",
     ) -> list[dict[str, Any]]:
         """`append_with` for many events (each appended in its session's order, in the order
         given), in one statement with `effect`."""
@@ -277,7 +325,7 @@ def _queue_many_statement(first: int, returning: str = "", notify: bool = True) 
     )
 
 
-def _queued_append(event: AppendEvent) -> Queued:
+def _queued_append(event: AppendEvent | Announcement) -> Queued:
     """`Queued` for an event to append to the session log (see `Outbox.append`)."""
     subject, msg_id, body, headers, key = _append_args(event)
     return Queued(subject, msg_id, body, key, headers)

@@ -36,7 +36,6 @@ from contracts.handoff import (
     OfferManyReply,
     OfferReply,
 )
-from contracts.session_events import AppendEvent
 from domain.errors import DomainError
 from domain.handoff import (
     PendingOffer,
@@ -49,6 +48,7 @@ from domain.handoff import (
     skip_reason,
 )
 from handoff.repository import HandoffTransaction, NewOffer, announcement
+from servicekit.outbox import Announcement
 
 LIFECYCLE_ACTOR = "system:handoff-lifecycle"
 
@@ -88,7 +88,7 @@ class _Writes:
 
     new: list[NewOffer] = field(default_factory=list)
     superseded: list[tuple[UUID, UUID]] = field(default_factory=list)  # existing rows: (id, by)
-    events: list[AppendEvent] = field(default_factory=list)
+    events: list[Announcement] = field(default_factory=list)
 
     async def write(self, tx: HandoffTransaction) -> dict[UUID, dict[str, Any]]:
         """Write it all in one statement (nothing when nothing was decided); the new rows."""
@@ -123,7 +123,7 @@ class _Target:
                 new.session_id,
                 EventType.HANDOFF_OFFERED,
                 f"agent:{new.from_agent}",
-                payload.model_dump(mode="json"),
+                payload,
                 causation_id=new.artifact_id,
             )
         )
@@ -273,9 +273,7 @@ async def activate(tx: HandoffTransaction, cmd: ActivateAgent) -> ActivationRepl
         cmd.agent,
         cmd.via,
         cmd.handoff_id,
-        announcement(
-            cmd.session_id, EventType.AGENT_ACTIVATED, cmd.actor, payload.model_dump(mode="json")
-        ),
+        announcement(cmd.session_id, EventType.AGENT_ACTIVATED, cmd.actor, payload),
     )
     return ActivationReply(
         activation=activation, already_active=False, superseded=[h.id for h in pending]
@@ -297,7 +295,7 @@ async def supersede(
 
 def superseded_event(
     old: Handoff | NewOffer, motivo: Literal["agente_ativado", "nova_oferta"], by: UUID | None
-) -> AppendEvent:
+) -> Announcement:
     """The `handoff.superseded` of `old`, refused when `old` may not be superseded."""
     assert_transition(old.id, Status(old.status), Status.SUPERSEDED)
     payload = HandoffSuperseded(
@@ -307,7 +305,7 @@ def superseded_event(
         old.session_id,
         EventType.HANDOFF_SUPERSEDED,
         LIFECYCLE_ACTOR,
-        payload.model_dump(mode="json"),
+        payload,
     )
 
 
@@ -339,5 +337,5 @@ async def _decide(
     return await tx.set_status(
         current.id,
         target,
-        announcement(current.session_id, event_type, cmd.actor, payload.model_dump(mode="json")),
+        announcement(current.session_id, event_type, cmd.actor, payload),
     )

@@ -5,19 +5,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from secrets import token_hex
 from typing import Any
-from uuid import UUID, uuid4
+from uuid import UUID
 
 import asyncpg
 
-from contracts.common import ErrorCode
+from contracts.common import ErrorCode, Message
 from contracts.events import EventType
 from contracts.handoff import Activation, Handoff
-from contracts.session_events import AppendEvent
+from contracts.session_events import AppendEnvelope
 from domain.errors import DomainError
 from domain.handoff import Status
 from servicekit.db import Connection
-from servicekit.outbox import Outbox
+from servicekit.outbox import Announcement, Outbox
 
 HANDOFF_COLUMNS = (
     "id, project_id, session_id, from_agent, to_agent, artifact_id, status, "
@@ -155,7 +156,7 @@ class HandoffTransaction:
         self,
         new: Sequence[NewOffer],
         superseded: Sequence[tuple[UUID, UUID]],
-        events: Sequence[AppendEvent],
+        events: Sequence[Announcement],
     ) -> dict[UUID, dict[str, Any]]:
         """Insert the new offers (each with the status the transaction's decisions left it
         in), supersede the pending offers given (`(id, by)`), and queue their events in
@@ -195,7 +196,7 @@ class HandoffTransaction:
         self,
         handoff_id: UUID,
         status: Status,
-        announce: AppendEvent,
+        announce: Announcement,
         superseded_by: UUID | None = None,
     ) -> Handoff:
         """Change a handoff's status and record its event's outbox row, in one statement."""
@@ -216,7 +217,7 @@ class HandoffTransaction:
         agent: str,
         via: str,
         handoff_id: UUID | None,
-        announce: AppendEvent,
+        announce: Announcement,
     ) -> Activation:
         """Record the activation and its `agent.activated` outbox row, in one statement."""
         row = await Outbox(self._conn).append_with(
@@ -246,18 +247,20 @@ def announcement(
     session_id: UUID,
     event_type: EventType,
     actor: str,
-    payload: dict[str, Any],
+    payload: Message,
     causation_id: UUID | None = None,
-) -> AppendEvent:
-    """An event for the session log, to be appended through the outbox exactly once."""
-    return AppendEvent(
+) -> Announcement:
+    """An event for the session log, to be appended through the outbox exactly once; its
+    payload is the contract model of `event_type`, validated as it was built."""
+    envelope = AppendEnvelope(
         session_id=session_id,
         type=event_type.value,
         actor=actor,
-        payload=payload,
         causation_id=causation_id,
-        idempotency_key=f"handoff:{uuid4()}",
+        # 128 random bits (a uuid4 has 122), at a quarter of uuid4's cost.
+        idempotency_key=f"handoff:{token_hex(16)}",
     )
+    return Announcement(envelope, payload)
 
 
 def _fields(row: dict[str, Any] | None) -> dict[str, Any]:
