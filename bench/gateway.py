@@ -241,6 +241,11 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     rss_after = rss_kib(gw.pid)
     got = [(at, emitted.get((turn, seq))) for c in clients for turn, seq, at, m in c.arrivals
            if m == c.message]  # fmt: skip
+    # Deltas that reached the bus before their turn's message reached the client: they
+    # waited behind the log's confirmation of the message (the message comes first).
+    behind = [(at - e[1]) * 1000 for c in clients for turn, seq, at, m in c.arrivals
+              if m == c.message and (e := emitted.get((turn, seq)))
+              and e[1] < c.events.get(m or "", 0.0)]  # fmt: skip
     per_token = [(at - e[0]) * 1000 for at, e in got if e]
     gw_leg = [(at - e[1]) * 1000 for at, e in got if e]
     lost = sum(e is None for _, e in got)
@@ -249,10 +254,49 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     await asyncio.gather(*(c.ws.close() for c in clients))
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
             "gateway_leg_ms": gw_leg, "event_leg_ms": event_leg, "first_delta_ms": first_ms,
+            "behind_message_ms": behind, "windows": windows([(at, e) for at, e in got if e]),
             "unmatched": lost,
             "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
             "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())}}  # fmt: skip
+
+
+WINDOW_S = 0.25
+
+
+def windows(got: list[tuple[float, tuple[float, float]]]) -> list[list[tuple[float, float]]]:
+    """The deltas by `WINDOW_S` of their arrival on the bus, each as (emit → client,
+    bus → client) in ms."""
+    if not got:
+        return []
+    start = min(bus for _, (_, bus) in got)
+    by: defaultdict[int, list[tuple[float, float]]] = defaultdict(list)
+    for at, (emitted_at, bus) in got:
+        by[int((bus - start) / WINDOW_S)].append(((at - emitted_at) * 1000, (at - bus) * 1000))
+    return [by[k] for k in sorted(by)]
+
+
+def saturation(r: dict[str, Any]) -> list[str]:
+    """Is the tail CPU? Each window's tokens/s × every process's CPU per token (the
+    bench's clients too: they share the cores) against the machine's cores."""
+    if not r["windows"]:
+        return []
+    cores = os.cpu_count() or 1
+    total_ms = sum(r["cpu"].ms_per_op.values())
+    need = [len(w) / WINDOW_S * total_ms / 1000 for w in r["windows"]]
+    over = [d for w, c in zip(r["windows"], need, strict=True) if c > cores for d in w]
+    under = [d for w, c in zip(r["windows"], need, strict=True) if c <= cores for d in w]
+    peak = max(len(w) for w in r["windows"]) / WINDOW_S
+    return [
+        f"  busiest {WINDOW_S * 1000:.0f} ms on the bus: {peak:,.0f} tokens/s × {total_ms:.3f} ms "
+        f"CPU per token (every process) = {max(need):.2f} cores needed of {cores}; "
+        f"{len(over)} of {len(over) + len(under)} deltas in windows needing more than {cores}",
+        bk.latency_row("per-token, windows > cores", [a for a, _ in over]),
+        bk.latency_row("per-token, windows ≤ cores", [a for a, _ in under]),
+        bk.latency_row("gw leg, windows > cores", [b for _, b in over]),
+        bk.latency_row("gw leg, windows ≤ cores", [b for _, b in under]),
+        bk.latency_row("gw leg, behind their message", r["behind_message_ms"]),
+    ]
 
 
 def path_cpu_ms(r: dict[str, Any]) -> float:
@@ -342,6 +386,7 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
         cpu = [("per token", r["clients"], r["cpu"]) for r in results]
         print("\n".join(bk.cpu_table(roles, cpu)))
         for r in results:
+            print("\n".join([f"{r['clients']} clients, CPU saturation:", *saturation(r)]))
             print(f"  gateway path ({' + '.join(GATEWAY_PATH)}) at {r['clients']} clients: "
                   f"{path_cpu_ms(r):.3f} ms CPU per token")  # fmt: skip
         if profile is not None:

@@ -104,3 +104,41 @@ async def test_an_event_is_not_held_behind_a_read_under_way(
     assert not held.done()
     released.set()
     assert await held == first
+
+
+async def test_an_event_this_reader_appended_is_confirmed_by_the_appends_reply_without_a_read(
+    log: SessionLogClient, nc: Client
+) -> None:
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    session_id = (await log.open(project, PERSON)).session_id
+    confirmations = Confirmations(log, consumer="test")
+    appended = []
+    for text in ("one", "two"):
+        payload = ChatMessage(text=text)
+        reply = await log.append(session_id, EventType.CHAT_MESSAGE, PERSON, payload)
+        confirmations.appended(
+            reply,
+            project_id=project,
+            session_id=session_id,
+            event_type=EventType.CHAT_MESSAGE,
+            actor=PERSON,
+            payload=payload,
+        )
+        appended.append(reply.event_id)
+    one, two = await log.get(appended)
+    forged_before = FORGED_EVENTS.copy()
+    reads = await nc.subscribe(subjects.EVENTS_GET)  # no callback: its messages wait, counted
+    await nc.flush()
+
+    assert await confirmations.confirm(one) == one
+    await nc.flush()
+    assert reads.pending_msgs == 0, "the append's reply said it: no read of the log"
+
+    # A copy that differs from what the log answered is judged by the log, as any other.
+    altered = two.model_copy(update={"payload": {"text": "forged"}})
+    assert await confirmations.confirm(altered) is None
+    assert FORGED_EVENTS - forged_before == {"payload_differs": 1}
+    assert await confirmations.confirm(two) == two  # read too: the answer was used once
+    await nc.flush()
+    assert reads.pending_msgs == 2
+    await reads.unsubscribe()

@@ -42,6 +42,7 @@ from gateway.settings import GatewaySettings
 from gateway.wire import EXTENSION, FrameWriter, model_frame
 from servicekit.logs import get_logger
 from servicekit.patience import is_unavailable
+from servicekit.provenance import Confirmations
 from servicekit.sessionlog import SessionLogClient
 from servicekit.telemetry import new_trace
 
@@ -63,6 +64,7 @@ class Hub:
     session_log: SessionLogClient
     presence: Presence
     fanout: Fanout
+    confirmations: Confirmations
 
 
 class Connection:
@@ -226,7 +228,7 @@ class Connection:
         self._feed = feed
         WS_JOINED_SESSIONS.inc()
         self._actions = SessionActions(
-            hub.commands, hub.session_log, self._principal, frame.session_id
+            hub.commands, hub.session_log, hub.confirmations, self._principal, frame.session_id
         )
         if view.status == "open":
             self._hub.presence.enter(frame.session_id)
