@@ -197,8 +197,12 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     # gateway's), to see what a turn costs the log besides its appends.
     log_reads: Counter[str] = Counter()
 
+    asked: set[str] = set()  # the event ids read by id (the gateway's confirmations)
+
     async def on_read(msg: Msg) -> None:
         log_reads[msg.subject] += 1
+        if msg.subject == subjects.EVENTS_GET:
+            asked.update(json.loads(msg.data)["event_ids"])
 
     reads = [await nc.subscribe(s, cb=on_read) for s in (subjects.EVENTS_LIST, subjects.EVENTS_GET)]
     await nc.flush()
@@ -258,7 +262,8 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
             "unmatched": lost,
             "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
-            "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())}}  # fmt: skip
+            "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())},
+            "messages_read": sum(c.message in asked for c in clients)}  # fmt: skip
 
 
 WINDOW_S = 0.25
@@ -377,7 +382,8 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
                   f"{(joined - before) * 1024 / r['clients']:.1f} KiB per connection; "
                   f"{after:.1f} MiB after the turns", flush=True)  # fmt: skip
             reads = ", ".join(f"{k} {v:.2f}" for k, v in r["log_reads_per_turn"].items())
-            print(f"  log reads per turn (every caller's): {reads or 'none'}")
+            print(f"  log reads per turn (every caller's): {reads or 'none'}; "
+                  f"{r['messages_read']} of {r['clients']} chat messages read by id")  # fmt: skip
         misses = [m for r in results for m in missed(r)]
         if as_json:
             print(json.dumps([summary(r) for r in results], indent=2))

@@ -76,21 +76,17 @@ class SessionActions:
     async def _append(
         self, event_type: EventType, payload: Message, idempotency_key: str | None = None
     ) -> AppendedReply:
-        """Append as the person; the log's reply confirms the event when it is relayed
-        back, so its followers (and the deltas of its answer) do not wait for a read."""
+        """Append as the person; the log's reply confirms the event's copy on the bus, so
+        its followers (and the deltas of its answer) do not wait for a read of the log."""
         actor = self._p.actor
-        reply = await self._log.append(
-            self._s, event_type, actor, payload, idempotency_key=idempotency_key
-        )
-        self._confirmations.appended(
-            reply,
+        return await self._confirmations.own_append(
+            self._log.append(self._s, event_type, actor, payload, idempotency_key=idempotency_key),
             project_id=self._p.project_id,
             session_id=self._s,
             event_type=event_type,
             actor=actor,
             payload=payload,
         )
-        return reply
 
     async def chat(self, frame: Chat) -> AppendedReply:
         return await self._append(
