@@ -18,6 +18,13 @@ stream's duration (a steady number of streams in flight, as in bench/metering.py
 against a raw NATS hop of the same deltas at the same rate and concurrency, in the same
 run (bench/metering.py's baseline). Every service runs as its own process.
 
+Whether a tail is CPU: the tokens/s offered with every turn streaming, and of the busiest
+250 ms as the bench's subscriber saw them, × every process's CPU per token (the bench's
+clients' too: they share the cores), against the machine's cores; the latencies of the
+deltas in windows that needed more cores than there are, and of those that did not; and
+the deltas that reached the bus before their turn's message reached the client (held
+behind the message: the client gets the message first).
+
 Goals (issue 12), checked at every level; the exit status is 1 when one is missed:
 per-token p99 ≤ 50 ms; ≤ 0.15 ms CPU per token on the gateway path (the processes a token
 crosses after metering published it: NATS and the gateway; the table shows every
@@ -259,6 +266,7 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
             "gateway_leg_ms": gw_leg, "event_leg_ms": event_leg, "first_delta_ms": first_ms,
             "behind_message_ms": behind, "windows": windows([(at, e) for at, e in got if e]),
+            "offered_per_s": n / delay_s,  # every stream in flight at once, one token each
             "unmatched": lost,
             "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
@@ -292,7 +300,11 @@ def saturation(r: dict[str, Any]) -> list[str]:
     over = [d for w, c in zip(r["windows"], need, strict=True) if c > cores for d in w]
     under = [d for w, c in zip(r["windows"], need, strict=True) if c <= cores for d in w]
     peak = max(len(w) for w in r["windows"]) / WINDOW_S
+    offered, path_ms = r["offered_per_s"], path_cpu_ms(r)
     return [
+        f"  offered at the peak (every turn streaming): {offered:,.0f} tokens/s × "
+        f"{total_ms:.3f} ms = {offered * total_ms / 1000:.2f} cores needed of {cores} "
+        f"(the gateway path's share: {offered * path_ms / 1000:.2f})",
         f"  busiest {WINDOW_S * 1000:.0f} ms on the bus: {peak:,.0f} tokens/s × {total_ms:.3f} ms "
         f"CPU per token (every process) = {max(need):.2f} cores needed of {cores}; "
         f"{len(over)} of {len(over) + len(under)} deltas in windows needing more than {cores}",
