@@ -188,8 +188,9 @@ class Confirmations:
         self._appended[event_id] = checked
 
     async def confirm(self, delivered: Event) -> Event | None:
-        """The log's copy of `delivered`; None when the log denies it (logged and counted,
-        as `confirm`) or did not answer."""
+        """The log's copy of `delivered` (`delivered` itself when the reply to this
+        reader's own append vouches for it); None when the log denies it (logged and
+        counted, as `confirm`) or did not answer."""
         committed = self._appended.pop(delivered.id, None)
         if committed is not None and committed == _checked(delivered):
             return delivered
