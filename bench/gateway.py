@@ -18,6 +18,13 @@ stream's duration (a steady number of streams in flight, as in bench/metering.py
 against a raw NATS hop of the same deltas at the same rate and concurrency, in the same
 run (bench/metering.py's baseline). Every service runs as its own process.
 
+Whether a tail is CPU: the tokens/s offered with every turn streaming, and of the busiest
+250 ms as the bench's subscriber saw them, × every process's CPU per token (the bench's
+clients' too: they share the cores), against the machine's cores; the latencies of the
+deltas in windows that needed more cores than there are, and of those that did not; and
+the deltas that reached the bus before their turn's message reached the client (held
+behind the message: the client gets the message first).
+
 Goals (issue 12), checked at every level; the exit status is 1 when one is missed:
 per-token p99 ≤ 50 ms; ≤ 0.15 ms CPU per token on the gateway path (the processes a token
 crosses after metering published it: NATS and the gateway; the table shows every
@@ -197,8 +204,12 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     # gateway's), to see what a turn costs the log besides its appends.
     log_reads: Counter[str] = Counter()
 
+    asked: set[str] = set()  # the event ids read by id (the gateway's confirmations)
+
     async def on_read(msg: Msg) -> None:
         log_reads[msg.subject] += 1
+        if msg.subject == subjects.EVENTS_GET:
+            asked.update(json.loads(msg.data)["event_ids"])
 
     reads = [await nc.subscribe(s, cb=on_read) for s in (subjects.EVENTS_LIST, subjects.EVENTS_GET)]
     await nc.flush()
@@ -241,6 +252,11 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     rss_after = rss_kib(gw.pid)
     got = [(at, emitted.get((turn, seq))) for c in clients for turn, seq, at, m in c.arrivals
            if m == c.message]  # fmt: skip
+    # Deltas that reached the bus before their turn's message reached the client: they
+    # waited behind the log's confirmation of the message (the message comes first).
+    behind = [(at - e[1]) * 1000 for c in clients for turn, seq, at, m in c.arrivals
+              if m == c.message and (e := emitted.get((turn, seq)))
+              and e[1] < c.events.get(m or "", 0.0)]  # fmt: skip
     per_token = [(at - e[0]) * 1000 for at, e in got if e]
     gw_leg = [(at - e[1]) * 1000 for at, e in got if e]
     lost = sum(e is None for _, e in got)
@@ -249,10 +265,55 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     await asyncio.gather(*(c.ws.close() for c in clients))
     return {"clients": n, "hop_ms": base.samples.per_token_ms, "per_token_ms": per_token,
             "gateway_leg_ms": gw_leg, "event_leg_ms": event_leg, "first_delta_ms": first_ms,
+            "behind_message_ms": behind, "windows": windows([(at, e) for at, e in got if e]),
+            "offered_per_s": n / delay_s,  # every stream in flight at once, one token each
             "unmatched": lost,
             "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
-            "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())}}  # fmt: skip
+            "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())},
+            "messages_read": sum(c.message in asked for c in clients)}  # fmt: skip
+
+
+WINDOW_S = 0.25
+
+
+def windows(got: list[tuple[float, tuple[float, float]]]) -> list[list[tuple[float, float]]]:
+    """The deltas by `WINDOW_S` of their arrival on the bus, each as (emit → client,
+    bus → client) in ms."""
+    if not got:
+        return []
+    start = min(bus for _, (_, bus) in got)
+    by: defaultdict[int, list[tuple[float, float]]] = defaultdict(list)
+    for at, (emitted_at, bus) in got:
+        by[int((bus - start) / WINDOW_S)].append(((at - emitted_at) * 1000, (at - bus) * 1000))
+    return [by[k] for k in sorted(by)]
+
+
+def saturation(r: dict[str, Any]) -> list[str]:
+    """Is the tail CPU? Each window's tokens/s × every process's CPU per token (the
+    bench's clients too: they share the cores) against the machine's cores."""
+    if not r["windows"]:
+        return []
+    cores = os.cpu_count() or 1
+    total_ms = sum(r["cpu"].ms_per_op.values())
+    need = [len(w) / WINDOW_S * total_ms / 1000 for w in r["windows"]]
+    over = [d for w, c in zip(r["windows"], need, strict=True) if c > cores for d in w]
+    under = [d for w, c in zip(r["windows"], need, strict=True) if c <= cores for d in w]
+    peak = max(len(w) for w in r["windows"]) / WINDOW_S
+    offered, path_ms = r["offered_per_s"], path_cpu_ms(r)
+    return [
+        f"  offered at the peak (every turn streaming): {offered:,.0f} tokens/s × "
+        f"{total_ms:.3f} ms = {offered * total_ms / 1000:.2f} cores needed of {cores} "
+        f"(the gateway path's share: {offered * path_ms / 1000:.2f})",
+        f"  busiest {WINDOW_S * 1000:.0f} ms on the bus: {peak:,.0f} tokens/s × {total_ms:.3f} ms "
+        f"CPU per token (every process) = {max(need):.2f} cores needed of {cores}; "
+        f"{len(over)} of {len(over) + len(under)} deltas in windows needing more than {cores}",
+        bk.latency_row("per-token, windows > cores", [a for a, _ in over]),
+        bk.latency_row("per-token, windows ≤ cores", [a for a, _ in under]),
+        bk.latency_row("gw leg, windows > cores", [b for _, b in over]),
+        bk.latency_row("gw leg, windows ≤ cores", [b for _, b in under]),
+        bk.latency_row("gw leg, behind their message", r["behind_message_ms"]),
+    ]
 
 
 def path_cpu_ms(r: dict[str, Any]) -> float:
@@ -333,7 +394,8 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
                   f"{(joined - before) * 1024 / r['clients']:.1f} KiB per connection; "
                   f"{after:.1f} MiB after the turns", flush=True)  # fmt: skip
             reads = ", ".join(f"{k} {v:.2f}" for k, v in r["log_reads_per_turn"].items())
-            print(f"  log reads per turn (every caller's): {reads or 'none'}")
+            print(f"  log reads per turn (every caller's): {reads or 'none'}; "
+                  f"{r['messages_read']} of {r['clients']} chat messages read by id")  # fmt: skip
         misses = [m for r in results for m in missed(r)]
         if as_json:
             print(json.dumps([summary(r) for r in results], indent=2))
@@ -342,6 +404,7 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
         cpu = [("per token", r["clients"], r["cpu"]) for r in results]
         print("\n".join(bk.cpu_table(roles, cpu)))
         for r in results:
+            print("\n".join([f"{r['clients']} clients, CPU saturation:", *saturation(r)]))
             print(f"  gateway path ({' + '.join(GATEWAY_PATH)}) at {r['clients']} clients: "
                   f"{path_cpu_ms(r):.3f} ms CPU per token")  # fmt: skip
         if profile is not None:

@@ -17,6 +17,7 @@ from contracts import subjects
 from contracts.catalog import Command
 from contracts.common import ErrorCode
 from contracts.events import ChatMessage, Event, EventType
+from contracts.session_events import AppendedReply, GetEvents
 from domain.errors import DomainError
 from servicekit.client import CRep, CReq, call
 from servicekit.provenance import FORGED_EVENTS, Confirmations
@@ -104,3 +105,88 @@ async def test_an_event_is_not_held_behind_a_read_under_way(
     assert not held.done()
     released.set()
     assert await held == first
+
+
+async def test_an_event_this_reader_appended_is_confirmed_by_the_appends_reply_without_a_read(
+    log: SessionLogClient, nc: Client
+) -> None:
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    session_id = (await log.open(project, PERSON)).session_id
+    confirmations = Confirmations(log, consumer="test")
+    appended = []
+    for text in ("one", "two"):
+        payload = ChatMessage(text=text)
+        reply = await confirmations.own_append(
+            log.append(session_id, EventType.CHAT_MESSAGE, PERSON, payload),
+            project_id=project,
+            session_id=session_id,
+            event_type=EventType.CHAT_MESSAGE,
+            actor=PERSON,
+            payload=payload,
+        )
+        appended.append(reply.event_id)
+    one, two = await log.get(appended)
+    forged_before = FORGED_EVENTS.copy()
+    reads = await nc.subscribe(subjects.EVENTS_GET)  # no callback: its messages wait, counted
+    await nc.flush()
+
+    assert await confirmations.confirm(one) == one
+    await nc.flush()
+    assert reads.pending_msgs == 0, "the append's reply said it: no read of the log"
+
+    # A copy that differs from what the log answered is judged by the log, as any other.
+    altered = two.model_copy(update={"payload": {"text": "forged"}})
+    assert await confirmations.confirm(altered) is None
+    assert FORGED_EVENTS - forged_before == {"payload_differs": 1}
+    assert await confirmations.confirm(two) == two  # read too: the reply was used once
+    await nc.flush()
+    assert reads.pending_msgs == 2
+    await reads.unsubscribe()
+
+
+async def test_a_copy_delivered_before_the_appends_reply_waits_for_it_not_for_a_read(
+    log: SessionLogClient, nc: Client
+) -> None:
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    session_id = (await log.open(project, PERSON)).session_id
+    payloads = [ChatMessage(text=text) for text in ("hello", "again")]
+    replies = [await log.append(session_id, EventType.CHAT_MESSAGE, PERSON, p) for p in payloads]
+    real, other = await log.get([r.event_id for r in replies])
+    forged = other.model_copy(update={"payload": {"text": "forged"}})
+    replied = asyncio.Event()
+
+    async def append_answered_late(reply: AppendedReply) -> AppendedReply:
+        await replied.wait()  # the log's relay published the copy before the reply came
+        return reply
+
+    confirmations = Confirmations(log, consumer="test")
+    reads = await nc.subscribe(subjects.EVENTS_GET)  # no callback: its messages wait, counted
+    await nc.flush()
+    appends = [
+        asyncio.create_task(
+            confirmations.own_append(
+                append_answered_late(reply),
+                project_id=project,
+                session_id=session_id,
+                event_type=EventType.CHAT_MESSAGE,
+                actor=PERSON,
+                payload=payload,
+            )
+        )
+        for reply, payload in zip(replies, payloads, strict=True)
+    ]
+    copies = [asyncio.create_task(confirmations.confirm(e)) for e in (real, forged)]
+    await asyncio.sleep(0)
+    assert not any(copy.done() for copy in copies)
+    await nc.flush()
+    assert reads.pending_msgs == 0, "the copies wait for the replies, not for a read"
+
+    forged_before = FORGED_EVENTS.copy()
+    replied.set()
+    assert await copies[0] == real, "confirmed by its reply"
+    assert await copies[1] is None, "no reply matched it: read, and judged by the log"
+    assert FORGED_EVENTS - forged_before == {"payload_differs": 1}
+    assert await asyncio.gather(*appends) == replies
+    read = await reads.next_msg()
+    assert GetEvents.model_validate_json(read.data).event_ids == [forged.id], "only the forged"
+    await reads.unsubscribe()

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from contracts import catalog
+from contracts.common import Message
 from contracts.events import ChatMessage, CriativoReadinessConfirmed, EventType
 from contracts.gateway import (
     AcceptHandoff,
@@ -36,6 +37,7 @@ from contracts.metering import CancelReply, CancelTurn
 from contracts.session_events import AppendedReply, HeartbeatReply, SessionClosedReply
 from gateway.auth import Principal
 from gateway.bus import Commands
+from servicekit.provenance import Confirmations
 from servicekit.sessionlog import SessionLogClient
 
 
@@ -46,11 +48,13 @@ class SessionActions:
         self,
         commands: Commands,
         session_log: SessionLogClient,
+        confirmations: Confirmations,
         principal: Principal,
         session_id: uuid.UUID,
     ) -> None:
         self._c = commands
         self._log = session_log
+        self._confirmations = confirmations
         self._p = principal
         self._s = session_id
 
@@ -69,11 +73,24 @@ class SessionActions:
         act = table[type(frame)]
         return lambda: act(frame)
 
+    async def _append(
+        self, event_type: EventType, payload: Message, idempotency_key: str | None = None
+    ) -> AppendedReply:
+        """Append as the person; the log's reply confirms the event's copy on the bus, so
+        its followers (and the deltas of its answer) do not wait for a read of the log."""
+        actor = self._p.actor
+        return await self._confirmations.own_append(
+            self._log.append(self._s, event_type, actor, payload, idempotency_key=idempotency_key),
+            project_id=self._p.project_id,
+            session_id=self._s,
+            event_type=event_type,
+            actor=actor,
+            payload=payload,
+        )
+
     async def chat(self, frame: Chat) -> AppendedReply:
-        return await self._log.append(
-            self._s,
+        return await self._append(
             EventType.CHAT_MESSAGE,
-            self._p.actor,
             ChatMessage(text=frame.text, client_msg_id=frame.client_msg_id),
             # a resend after a reconnect appends nothing new
             idempotency_key=f"gateway-chat:{self._s}:{frame.client_msg_id}",
@@ -92,11 +109,8 @@ class SessionActions:
         )
 
     async def confirm_readiness(self, _: ConfirmReadiness) -> AppendedReply:
-        return await self._log.append(
-            self._s,
-            EventType.CRIATIVO_READINESS_CONFIRMED,
-            self._p.actor,
-            CriativoReadinessConfirmed(),
+        return await self._append(
+            EventType.CRIATIVO_READINESS_CONFIRMED, CriativoReadinessConfirmed()
         )
 
     async def accept_handoff(self, frame: AcceptHandoff) -> AcceptReply:

@@ -139,8 +139,9 @@ async def main(
         )
         presence = Presence(session_log.heartbeat, settings.heartbeat_interval_seconds)
         secret = load_secret(settings.gateway_secret)
-        fanout = Fanout(rt.nc, Confirmations(session_log, consumer=SERVICE))
-        hub = Hub(settings, secret, commands, session_log, presence, fanout)
+        confirmations = Confirmations(session_log, consumer=SERVICE)
+        fanout = Fanout(rt.nc, confirmations)
+        hub = Hub(settings, secret, commands, session_log, presence, fanout, confirmations)
         try:
             async with serving_http(rt, build_app(hub), settings) as url:
                 log.info("gateway_listening", url=url)

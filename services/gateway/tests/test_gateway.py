@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from contracts import subjects
 from contracts.gateway import DeltaFrame
@@ -253,3 +254,29 @@ async def test_an_event_forged_on_the_bus_is_never_shown_nor_displaces_the_real_
     at_seq = [f["event"] for f in client.of("event") if f["event"]["seq"] == next_seq]
     assert [(e["id"], e["type"]) for e in at_seq] == [(str(real.event_id), "chat.message")]
     assert str(forged.id) not in {f["event"]["id"] for f in client.of("event")}
+
+
+async def test_the_persons_message_is_shown_as_the_log_answered_its_append_without_a_read(
+    gateway: Gateway, nc: Client
+) -> None:
+    asked: list[str] = []  # the event ids every reader asked the log for by id
+
+    async def on_read(msg: Msg) -> None:
+        asked.extend(json.loads(msg.data)["event_ids"])
+
+    reads = await nc.subscribe(subjects.EVENTS_GET, cb=on_read)
+    await nc.flush()
+    session_id = await gateway.open_session()
+    client = await gateway.ws()
+    await client.request({"type": "join", "session_id": str(session_id)})
+    sent = await client.request({"type": "chat", "text": "oi", "client_msg_id": "m-1"})
+    message_id = sent["result"]["event_id"]
+    await wait_for(lambda: client.of("done"), what="the answer's turn")
+
+    shown = [f["event"]["id"] for f in client.of("event")]
+    assert message_id in shown
+    first_delta = next(i for i, f in enumerate(client.frames) if f["type"] == "delta")
+    assert client.frames.index(client.of("event")[shown.index(message_id)]) < first_delta
+    await nc.flush()
+    assert message_id not in asked, "the append's reply confirmed it: the log was not read"
+    await reads.unsubscribe()

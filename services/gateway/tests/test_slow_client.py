@@ -79,6 +79,7 @@ def connection(transport: Transport, socket: Socket, **settings: Any) -> Connect
         session_log=cast(Any, None),
         presence=cast(Any, None),
         fanout=cast(Any, None),
+        confirmations=cast(Any, None),
     )
     return Connection(hub, cast(WebSocket, socket), Principal("p", "ana"), transport)
 
