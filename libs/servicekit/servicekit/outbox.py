@@ -35,6 +35,7 @@ import itertools
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -63,6 +64,8 @@ log = get_logger(__name__)
 NOTIFY_CHANNEL_PREFIX = "agentbus_outbox."
 # The wake-up of the schema the statement runs in (the first of its search path).
 _NOTIFY = f"pg_notify('{NOTIFY_CHANNEL_PREFIX}' || current_schema(), '')"
+# In its place when the writer wakes its own relay (`with_outbox`).
+_NO_NOTIFY = "NULL AS pg_notify"
 SEND_TIMEOUT_SECONDS = 5.0
 MAX_BACKOFF_SECONDS = 60.0
 # Error codes of the log that a later attempt may not get.
@@ -83,9 +86,9 @@ def notify_channel(schema: str) -> str:
     return NOTIFY_CHANNEL_PREFIX + schema
 
 
-def _queue_statement(first: int, returning: str = "") -> str:
-    """The outbox insert (and its wake-up notify) as the tail of a `WITH`, parameters
-    `$first`..`$first+4` (see `_queue_args`).
+def _queue_statement(first: int, wake: str, returning: str = "") -> str:
+    """The outbox insert (and its wake-up, `_NOTIFY` or `_NO_NOTIFY`) as the tail of a
+    `WITH`, parameters `$first`..`$first+4` (see `_queue_args`).
 
     With data-modifying CTEs before it (`Outbox.append_with`), the effect and its
     outbox row are written in one round trip. To read the effect's `RETURNING` rows
@@ -93,7 +96,7 @@ def _queue_statement(first: int, returning: str = "") -> str:
     """
     p = [f"${first + i}" for i in range(5)]
     # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
-    tail = f"SELECT {returning}.*, {_NOTIFY} FROM {returning}" if returning else f"SELECT {_NOTIFY}"
+    tail = f"SELECT {returning}.*, {wake} FROM {returning}" if returning else f"SELECT {wake}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
         f"VALUES ({p[0]}, {p[1]}, {p[2]}, {p[3]}, {p[4]})) {tail}"
@@ -192,8 +195,12 @@ class Outbox:
     (bench/append.py measures it).
     """
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, notify: bool = True) -> None:
+        """`notify` False: rows go without a NOTIFY, for a writer that wakes the relay of
+        its own process itself once they are committed (`with_outbox`)."""
         self._conn = conn
+        self._wake = _NOTIFY if notify else _NO_NOTIFY
+        self.queued = 0  # statements that queued rows, for the caller's wake-up
 
     async def append(self, event: AppendEvent | Announcement) -> None:
         """Append `event` to the session log after commit, in its session's order.
@@ -201,7 +208,8 @@ class Outbox:
         Its idempotency key is required: it makes a repeated append a no-op. An event
         the log would refuse raises `DomainError` now (`check_appendable`). An
         `Announcement` is not validated again: build one where the payload is built."""
-        await self._conn.execute(f"WITH {_queue_statement(1)}", *_append_args(event))
+        await self._conn.execute(f"WITH {_queue_statement(1, self._wake)}", *_append_args(event))
+        self.queued += 1
 
     async def send(
         self,
@@ -214,9 +222,10 @@ class Outbox:
         """Deliver `body` on `subject` after commit (published, or sent as a command,
         as the relay's sender does), deduplicated by `msg_id`."""
         await self._conn.execute(
-            f"WITH {_queue_statement(1)}",
+            f"WITH {_queue_statement(1, self._wake)}",
             *_queue_args(subject, msg_id, body, headers, ordering_key),
         )
+        self.queued += 1
 
     async def append_with(
         self,
@@ -249,13 +258,10 @@ class Outbox:
         args: Sequence[Any],
         messages: Sequence[Queued],
         returning: str = "",
-        notify: bool = True,
     ) -> list[dict[str, Any]]:
         """`send_with` for many rows at once: the effect (CTEs, parameters
         `$1`..`$len(args)`) and every row in one statement, and one wake-up for all. With
-        `returning`, the rows of that CTE come back. `notify` False: no NOTIFY, for a
-        writer that wakes the relay of its own process itself (`OutboxRelay.wake`)
-        once the rows are committed; other relays find them by polling."""
+        `returning`, the rows of that CTE come back."""
         columns: list[list[Any]] = [[], [], [], [], []]
         for m in messages:
             headers = dict(m.headers) if m.headers is not None else inject_headers()
@@ -264,10 +270,11 @@ class Outbox:
             ):
                 column.append(value)
         rows = await self._conn.fetch(
-            f"WITH {effect}, {_queue_many_statement(len(args) + 1, returning, notify)}",
+            f"WITH {effect}, {_queue_many_statement(len(args) + 1, self._wake, returning)}",
             *args,
             *columns,
         )
+        self.queued += 1
         return [_without_notify(r) for r in rows] if returning else []
 
     async def append_many_with(
@@ -286,9 +293,34 @@ class Outbox:
         self, effect: str, args: Sequence[Any], queued: list[Any], returning: str
     ) -> dict[str, Any] | None:
         row = await self._conn.fetchrow(
-            f"WITH {effect}, {_queue_statement(len(args) + 1, returning)}", *args, *queued
+            f"WITH {effect}, {_queue_statement(len(args) + 1, self._wake, returning)}",
+            *args,
+            *queued,
         )
+        self.queued += 1
         return None if row is None else _without_notify(row)
+
+
+@asynccontextmanager
+async def with_outbox(
+    pool: asyncpg.Pool, relay: OutboxRelay | None, *, transaction: bool = True
+) -> AsyncIterator[tuple[Connection, Outbox]]:
+    """A connection of `pool`, in a transaction (or, `transaction` False, each statement
+    committing on its own), and the outbox its statements queue rows in.
+
+    Given `relay`, the relay of this process, rows go without a NOTIFY — each NOTIFY
+    signals every listening backend of the database, and takes a database-wide lock at
+    commit — and the relay is woken directly once they are committed. Another replica's
+    relay finds them by polling should this process die before delivering them."""
+    async with pool.acquire() as conn:
+        outbox = Outbox(conn, notify=relay is None)
+        if transaction:
+            async with conn.transaction():
+                yield conn, outbox
+        else:
+            yield conn, outbox
+        if relay is not None and outbox.queued:
+            relay.wake()
 
 
 def _without_notify(row: asyncpg.Record) -> dict[str, Any]:
@@ -310,11 +342,10 @@ class Queued:
     headers: Mapping[str, str] | None = None
 
 
-def _queue_many_statement(first: int, returning: str = "", notify: bool = True) -> str:
+def _queue_many_statement(first: int, wake: str, returning: str = "") -> str:
     """`_queue_statement` for many rows: five arrays, `$first`..`$first+4`, one element a
     row, inserted in array order (so a key's rows keep the order they were given in)."""
     p = [f"${first + i}" for i in range(5)]
-    wake = _NOTIFY if notify else "NULL AS pg_notify"
     tail = f"SELECT {returning}.*, {wake} FROM {returning}" if returning else f"SELECT {wake}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "

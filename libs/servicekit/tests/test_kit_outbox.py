@@ -23,7 +23,9 @@ from servicekit.outbox import (
     Outbox,
     OutboxRelay,
     OutboxRow,
+    notify_channel,
     retry_delay,
+    with_outbox,
 )
 from servicekit.testing import stream_messages, wait_for
 
@@ -205,6 +207,40 @@ async def test_notify_wakes_the_relay_long_before_its_poll(
         await enqueue_committed(pool, f"{prefix}.a", f"evt-{n}")
         await wait_for(lambda n=n: relay.delivered == n, timeout=10, what=f"row {n} relayed")
 
+    assert msg_ids(await published(nc, stream)) == ["evt-1", "evt-2"]
+
+
+async def test_rows_of_a_process_with_its_relay_wake_it_without_a_notify(
+    pool: asyncpg.Pool,
+    js: JetStreamContext,
+    nc: Client,
+    stream: tuple[str, str],
+    background: Background,
+) -> None:
+    """`with_outbox` given the relay of its process: the committed rows wake it directly
+    (its poll is two minutes away) and no NOTIFY goes to the database's listeners."""
+    _, prefix = stream
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=120)
+    background(relay.run())
+    await wait_for(lambda: listening(pool), what="the relay's LISTEN")
+    heard: list[str] = []
+
+    def hear(*args: Any) -> None:
+        heard.append(args[1])
+
+    async with pool.acquire() as listener:
+        channel = notify_channel(await listener.fetchval("SELECT current_schema()"))
+        await listener.add_listener(channel, hear)
+        try:
+            for n in (1, 2):
+                async with with_outbox(pool, relay) as (_, queue):
+                    await queue.send(f"{prefix}.a", f"evt-{n}", b"{}")
+                await wait_for(lambda n=n: relay.delivered == n, timeout=10, what=f"row {n}")
+
+            await listener.fetchval("SELECT 1")  # a NOTIFY of the commits would be in by now
+            assert heard == []
+        finally:
+            await listener.remove_listener(channel, hear)
     assert msg_ids(await published(nc, stream)) == ["evt-1", "evt-2"]
 
 

@@ -18,7 +18,7 @@ from contracts.session_events import AppendEnvelope
 from domain.errors import DomainError
 from domain.handoff import Status
 from servicekit.db import Connection
-from servicekit.outbox import Announcement, Outbox
+from servicekit.outbox import Announcement, Outbox, OutboxRelay, with_outbox
 
 HANDOFF_COLUMNS = (
     "id, project_id, session_id, from_agent, to_agent, artifact_id, status, "
@@ -62,8 +62,9 @@ def handoff_not_found(handoff_id: UUID) -> DomainError:
 class HandoffTransaction:
     """The statements of one handoff decision, all in one transaction."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, outbox: Outbox) -> None:
         self._conn = conn
+        self._outbox = outbox
 
     async def lock_target(self, project_id: str, agent: str) -> None:
         """Serialise every decision about one (project, target); other targets never wait."""
@@ -162,7 +163,7 @@ class HandoffTransaction:
         in), supersede the pending offers given (`(id, by)`), and queue their events in
         the order given: one statement, one round trip under the locks. Returns the
         inserted rows by id."""
-        rows = await Outbox(self._conn).append_many_with(
+        rows = await self._outbox.append_many_with(
             f"""h AS (
                     INSERT INTO handoffs (id, project_id, session_id, from_agent, to_agent,
                                           artifact_id, status, superseded_by)
@@ -200,7 +201,7 @@ class HandoffTransaction:
         superseded_by: UUID | None = None,
     ) -> Handoff:
         """Change a handoff's status and record its event's outbox row, in one statement."""
-        row = await Outbox(self._conn).append_with(
+        row = await self._outbox.append_with(
             f"""h AS (
                     UPDATE handoffs SET status = $2, superseded_by = $3, updated_at = now()
                      WHERE id = $1 RETURNING {HANDOFF_COLUMNS})""",
@@ -220,7 +221,7 @@ class HandoffTransaction:
         announce: Announcement,
     ) -> Activation:
         """Record the activation and its `agent.activated` outbox row, in one statement."""
-        row = await Outbox(self._conn).append_with(
+        row = await self._outbox.append_with(
             f"""a AS (
                     INSERT INTO activations (project_id, session_id, agent, via, handoff_id)
                     VALUES ($1, $2, $3, $4, $5) RETURNING {ACTIVATION_COLUMNS})""",
@@ -273,13 +274,16 @@ def _fields(row: dict[str, Any] | None) -> dict[str, Any]:
 class HandoffRepository:
     """Transactions and reads over the `handoff` schema."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, relay: OutboxRelay | None = None) -> None:
+        """`relay`: the outbox relay of this process, woken once a decision's events are
+        committed instead of by a NOTIFY (`servicekit.outbox.with_outbox`)."""
         self._pool = pool
+        self._relay = relay
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[HandoffTransaction]:
-        async with self._pool.acquire() as conn, conn.transaction():
-            yield HandoffTransaction(conn)
+        async with with_outbox(self._pool, self._relay) as (conn, outbox):
+            yield HandoffTransaction(conn, outbox)
 
     async def list_handoffs(
         self, project_id: str, session_id: UUID | None, status: str | None

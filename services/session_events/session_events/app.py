@@ -22,13 +22,13 @@ async def main(settings: LogSettings | None = None) -> None:
     """Serve the log's commands, relay its outbox and reap silent sessions until stopped."""
     settings = settings or LogSettings()
     async with svc.open(settings) as rt:
-        repo = LogRepository(rt.pool)
         relay = rt.relay(JetStreamPublisher(rt.nc))
+        repo = LogRepository(rt.pool, relay)
         rt.background(
             run_reaper(repo, settings.heartbeat_timeout_seconds, settings.reaper_interval_seconds),
             "reaper",
         )
-        await svc.serve(rt, repo=repo, appender=GroupCommit(repo, relay))
+        await svc.serve(rt, repo=repo, appender=GroupCommit(repo))
 
 
 def run() -> None:

@@ -42,7 +42,6 @@ from contracts.session_events import AppendedReply
 from domain import log_rules
 from domain.errors import DomainError
 from servicekit.faults import crash_point
-from servicekit.outbox import OutboxRelay
 from servicekit.telemetry import inject_headers
 from session_events.repository import (
     BatchFacts,
@@ -135,17 +134,8 @@ class _StatementFailed(Exception):
 class GroupCommit:
     """Gathers concurrent appends into shared transactions (see the module's docstring)."""
 
-    def __init__(
-        self,
-        repo: LogRepository,
-        relay: OutboxRelay | None = None,
-        max_batch: int = MAX_BATCH,
-    ) -> None:
-        """`relay`: this process's outbox relay, woken directly once a batch committed
-        instead of by a NOTIFY (which signals every listening backend of the database);
-        without one, the batch notifies whichever relay listens."""
+    def __init__(self, repo: LogRepository, max_batch: int = MAX_BATCH) -> None:
         self._repo = repo
-        self._relay = relay
         self._max_batch = max_batch
         self._waiting: list[Waiting] = []
         self._writer: asyncio.Task[None] | None = None
@@ -231,32 +221,30 @@ class GroupCommit:
         self.batches += 1
         try:
             async with self._repo.autocommit() as statements:
-                outcomes = await self._decide_and_write(statements, batch)
+                return await _decide_and_write(statements, batch)
         except asyncpg.TransactionRollbackError:  # moved (or, rarely, a deadlock): undone
             self.decided_again += 1
             async with self._repo.transaction() as tx:
                 await tx.lock_sessions(p.session_id for p in batch)
-                outcomes = await self._decide_and_write(tx, batch)
-        if self._relay is not None:  # committed: its outbox rows are there to deliver
-            self._relay.wake()
-        return outcomes
+                return await _decide_and_write(tx, batch)
 
-    async def _decide_and_write(self, tx: LogTransaction, batch: list[Pending]) -> list[Outcome]:
-        try:
-            facts = await tx.batch_facts(
-                (p.session_id for p in batch),
-                ((p.session_id, p.idempotency_key) for p in batch if p.idempotency_key),
-                (p.causation_id for p in batch if p.causation_id),
-            )
-            decided = decide(batch, facts)
-            if decided.written:
-                await tx.write(decided.written, decided.trace, notify=self._relay is None)
-            crash_point("append.batch_written")
-        except asyncpg.TransactionRollbackError:
-            raise
-        except asyncpg.PostgresError as exc:
-            raise _StatementFailed(repr(exc)) from exc
-        return decided.outcomes
+
+async def _decide_and_write(tx: LogTransaction, batch: list[Pending]) -> list[Outcome]:
+    try:
+        facts = await tx.batch_facts(
+            (p.session_id for p in batch),
+            ((p.session_id, p.idempotency_key) for p in batch if p.idempotency_key),
+            (p.causation_id for p in batch if p.causation_id),
+        )
+        decided = decide(batch, facts)
+        if decided.written:
+            await tx.write(decided.written, decided.trace)
+        crash_point("append.batch_written")
+    except asyncpg.TransactionRollbackError:
+        raise
+    except asyncpg.PostgresError as exc:
+        raise _StatementFailed(repr(exc)) from exc
+    return decided.outcomes
 
 
 def _settle(batch: list[Waiting], exc: BaseException) -> None:

@@ -21,7 +21,7 @@ from contracts.session_events import (
 )
 from domain.log_rules import CausationFacts, session_not_found
 from servicekit.db import Connection
-from servicekit.outbox import Outbox, Queued
+from servicekit.outbox import Outbox, OutboxRelay, Queued, with_outbox
 
 EVENT_COLUMNS = "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at"
 _EVENT_FIELDS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))
@@ -104,8 +104,9 @@ class LogTransaction:
     """The statements that run inside one append or close transaction (or, for a batch
     of appends, each on its own: `LogRepository.autocommit`)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, outbox: Outbox) -> None:
         self._conn = conn
+        self._outbox = outbox
 
     async def lock_session(self, session_id: UUID) -> SessionState:
         """The session, locked so appends to it serialise; refused when it does not exist."""
@@ -177,17 +178,11 @@ class LogTransaction:
         session.last_seq = event.seq
         return event
 
-    async def write(
-        self,
-        new: Sequence[NewEvent],
-        trace: Sequence[Mapping[str, str]] = (),
-        notify: bool = True,
-    ) -> None:
+    async def write(self, new: Sequence[NewEvent], trace: Sequence[Mapping[str, str]] = ()) -> None:
         """Write events (seqs already assigned, in order), move their sessions' `last_seq`
         on and queue one outbox row each, in one statement: one round trip for a whole
         batch (bench/append.py measures why). `trace`: each event's trace headers, when
-        it came from another request than the caller's. `notify` False: the caller wakes
-        its relay itself after the commit (`Outbox.send_many_with`).
+        it came from another request than the caller's.
 
         Guarded: each session moves on only from the `last_seq` its first event follows,
         and when one has moved since it was read the statement raises `SerializationError`
@@ -202,7 +197,7 @@ class LogTransaction:
             read_seq.setdefault(e.session_id, e.seq - 1)
             last_seq[e.session_id] = e.seq
         ids = sorted(last_seq)  # id order, as `lock_sessions`: concurrent writers queue
-        await Outbox(self._conn).send_many_with(
+        await self._outbox.send_many_with(
             """bump AS (UPDATE sessions s SET last_seq = b.last_seq
                           FROM unnest($1::uuid[], $2::bigint[], $3::bigint[])
                                AS b(id, read_seq, last_seq)
@@ -241,7 +236,6 @@ class LogTransaction:
                 )
                 for i, e in enumerate(events)
             ],
-            notify=notify,
         )
 
     async def create_session(self, project_id: str, opened_by: str) -> SessionState:
@@ -270,21 +264,24 @@ class LogTransaction:
 class LogRepository:
     """Reads and transactions over the `session_events` schema."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, relay: OutboxRelay | None = None) -> None:
+        """`relay`: the outbox relay of this process, woken once events are committed
+        instead of by a NOTIFY (`servicekit.outbox.with_outbox`)."""
         self._pool = pool
+        self._relay = relay
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[LogTransaction]:
         """One unit of work: everything inside commits together or not at all."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            yield LogTransaction(conn)
+        async with with_outbox(self._pool, self._relay) as (conn, outbox):
+            yield LogTransaction(conn, outbox)
 
     @asynccontextmanager
     async def autocommit(self) -> AsyncIterator[LogTransaction]:
         """The same statements outside a transaction: each one commits on its own (one
         round trip each, no BEGIN and COMMIT), for work a single statement keeps whole."""
-        async with self._pool.acquire() as conn:
-            yield LogTransaction(conn)
+        async with with_outbox(self._pool, self._relay, transaction=False) as (conn, outbox):
+            yield LogTransaction(conn, outbox)
 
     async def heartbeat(self, session_id: UUID) -> datetime | None:
         """Record a heartbeat on an open session; None when it is not open."""
@@ -368,7 +365,7 @@ class LogRepository:
         self, timeout_seconds: float, limit: int = 100
     ) -> AsyncIterator[tuple[LogTransaction, list[SessionState]]]:
         """Open sessions whose heartbeats stopped, locked; another replica skips them."""
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with with_outbox(self._pool, self._relay) as (conn, outbox):
             rows = await conn.fetch(
                 """SELECT id, project_id, status, last_seq, now() AS now FROM sessions
                     WHERE status = 'open' AND last_heartbeat_at IS NOT NULL
@@ -379,4 +376,4 @@ class LogRepository:
                 timeout_seconds,
                 limit,
             )
-            yield LogTransaction(conn), [SessionState(**dict(r)) for r in rows]
+            yield LogTransaction(conn, outbox), [SessionState(**dict(r)) for r in rows]

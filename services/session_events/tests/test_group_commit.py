@@ -386,11 +386,11 @@ async def test_a_batch_wakes_the_relay_of_its_process_instead_of_notifying(
         await listener.add_listener(notify_channel(schema), lambda *args: heard.append(args[1]))
         running = asyncio.create_task(relay.run())
         await wait_for(lambda: _listening(pool, schema), what="the relay to listen")
-        repo = LogRepository(pool)
+        repo = LogRepository(pool, relay)
         async with repo.transaction() as tx:
             session = await tx.create_session("wake", "user:ana")
 
-        reply = await GroupCommit(repo, relay).append(chat(session.id, "hi"))
+        reply = await GroupCommit(repo).append(chat(session.id, "hi"))
 
         await wait_for(lambda: relay.delivered == 1, what="the relay, woken, to deliver")
         await listener.fetchval("SELECT 1")  # a NOTIFY of the commit would be in by now
