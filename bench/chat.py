@@ -326,6 +326,81 @@ async def warm_up(nc: Client, delay_s: float) -> None:
         await s.unsubscribe()
 
 
+# Turns of one session, one after another, whose messages `census` counts.
+CENSUS_TURNS = 10
+
+
+def message_kind(subject: str, replies: dict[str, str]) -> str:
+    """What a message on the bus is, for `census`: the command or event subject (its
+    first three tokens), the JetStream or KV operation and the consumer or bucket it
+    is for, or for a reply (`_INBOX…`) the kind of the request it answers."""
+    tokens = subject.split(".")
+    if tokens[0] == "_INBOX":
+        return "reply to " + replies.get(subject, replies.get(subject.rsplit(".", 1)[0], "?"))
+    if subject.startswith("$JS.API.CONSUMER.MSG.NEXT."):
+        return f"pull {tokens[-1]}"
+    if subject.startswith("$JS.ACK."):
+        return f"ack {tokens[3]}"
+    if subject.startswith("$KV."):
+        return f"kv write {tokens[1]}"
+    if subject.startswith("$JS.API.DIRECT.GET."):
+        return f"kv read {tokens[4]}"
+    if subject.startswith("$JS.API."):
+        return ".".join(tokens[:4])
+    if subject.startswith(subjects.DELTA_PREFIX):
+        return "agent.delta (tokens)"
+    return ".".join(tokens[:2]) if tokens[0] in ("agent", "metering") else ".".join(tokens[:3])
+
+
+class Census:
+    """Counts the bus's messages by `message_kind` (a `>` subscription sees them all)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.replies: dict[str, str] = {}
+
+    async def on_msg(self, msg: Msg) -> None:
+        kind = message_kind(msg.subject, self.replies)
+        if msg.reply and not msg.subject.startswith("_INBOX"):
+            self.replies[msg.reply] = kind
+            self.replies[msg.reply.rsplit(".", 1)[0]] = kind
+        if kind.startswith("ack "):
+            kind += " " + msg.data[:4].decode(errors="replace")
+        self.counts[kind] += 1
+
+
+async def census(nc: Client, delay_s: float, turns: int) -> list[str]:
+    """The messages of one session's turns, one after another, per turn, less what the
+    bus carries in as long with no turn (idle pulls, keep-alives, polls)."""
+    session = await open_with_criativo(nc, asyncio.Semaphore(1))
+    chat, counting = Chat(delay_s), Census()
+    subs = [
+        await nc.subscribe(subjects.delta_subject(PROJECT, str(session)), cb=chat.on_delta),
+        await nc.subscribe(subjects.done_subject(PROJECT, str(session)), cb=chat.on_done),
+    ]
+    await nc.flush()
+    await chat.turn(nc, session)  # the session's first turn starts its actor: not counted
+    await asyncio.sleep(0.5)
+    watch = await nc.subscribe(">", cb=counting.on_msg)
+    await nc.flush()
+    started = time.perf_counter()
+    for _ in range(turns):
+        await chat.turn(nc, session)
+    await asyncio.sleep(0.5)  # the last turn's release and acks
+    elapsed = time.perf_counter() - started
+    busy, counting.counts = counting.counts, collections.Counter()
+    await asyncio.sleep(elapsed)
+    idle = counting.counts
+    for s in [watch, *subs]:
+        await s.unsubscribe()
+    per_turn = {k: (busy[k] - idle[k]) / turns for k in busy | idle}
+    total = sum(v for k, v in per_turn.items() if not k.startswith("agent.delta"))
+    lines = [f"messages per turn ({turns} turns of one session, less as long idle):"]
+    lines += [f"  {v:6.2f}  {k}" for k, v in sorted(per_turn.items(), key=lambda x: -x[1]) if v]
+    lines.append(f"  {total:6.2f}  in all, beyond the token deltas")
+    return lines
+
+
 # The services `--py-spy` profiles during the turns.
 PROFILED = ("criativo", "metering", "session_events")
 
@@ -494,6 +569,7 @@ async def run(
         print(f"chat bench: {tokens} tokens per turn, one every {delay_ms} ms; "
               f"{os.cpu_count()} cores")  # fmt: skip
         await warm_up(nc, delay_ms / 1000)
+        print("\n".join(await census(nc, delay_ms / 1000, CENSUS_TURNS)), flush=True)
         goals, cpu_rows, bounds = Goals(), [], []
         for level in levels:
             n = level.sessions
