@@ -330,11 +330,14 @@ async def warm_up(nc: Client, delay_s: float) -> None:
 CENSUS_TURNS = 20
 
 
-def message_kind(subject: str, replies: dict[str, str]) -> str:
+def message_kind(subject: str, reply: str | None, replies: dict[str, str]) -> str:
     """What a message on the bus is, for `census`: the command or event subject (its
     first three tokens), the JetStream or KV operation and the consumer or bucket it
-    is for, or for a reply (`_INBOX…`) the kind of the request it answers."""
+    is for, a stream message delivered to a consumer (which keeps its subject), or for
+    a reply (`_INBOX…`) the kind of the request it answers."""
     tokens = subject.split(".")
+    if reply is not None and reply.startswith("$JS.ACK."):
+        return f"delivered to {reply.split('.')[3]}"
     if tokens[0] == "_INBOX":
         return "reply to " + replies.get(subject, replies.get(subject.rsplit(".", 1)[0], "?"))
     if subject.startswith("$JS.API.CONSUMER.MSG.NEXT."):
@@ -360,12 +363,12 @@ class Census:
         self.replies: dict[str, str] = {}
 
     async def on_msg(self, msg: Msg) -> None:
-        kind = message_kind(msg.subject, self.replies)
+        kind = message_kind(msg.subject, msg.reply, self.replies)
         if msg.reply and not msg.subject.startswith("_INBOX"):
             self.replies[msg.reply] = kind
             self.replies[msg.reply.rsplit(".", 1)[0]] = kind
-        if kind.startswith("ack "):
-            kind += " " + msg.data[:4].decode(errors="replace")
+        if kind.startswith("ack "):  # nats-py's ack is an empty body
+            kind += " " + (msg.data[:4].decode(errors="replace") or "+ACK")
         self.counts[kind] += 1
 
 
