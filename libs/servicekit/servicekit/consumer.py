@@ -145,6 +145,8 @@ class DurableConsumer:
         # was fetched or last reported in progress: kept in progress until acked, nak'ed or
         # termed.
         self._held: dict[int, tuple[Msg, float]] = {}
+        # Set while anything is held: the keep-alive sleeps, not ticks, while nothing is.
+        self._holding = asyncio.Event()
         # Per key, the task of its latest message (lanes, with `ordering_key`).
         self._lanes: dict[str, asyncio.Task[None]] = {}
         self._inflight: set[asyncio.Task[None]] = set()
@@ -179,6 +181,8 @@ class DurableConsumer:
                     continue
                 fetched = time.monotonic()
                 self._held.update((id(m), (m, fetched)) for m in msgs)
+                if msgs:
+                    self._holding.set()
                 if self._ordering_key is None:
                     await self._handle_batch(msgs)
                 else:
@@ -260,6 +264,9 @@ class DurableConsumer:
         """
         interval = self.spec.keep_alive_interval
         while True:
+            if not self._held:  # an idle service wakes for nothing
+                self._holding.clear()
+                await self._holding.wait()
             # Twice an interval, each message fetched or reported an interval ago or more (so
             # within 1.5 intervals, half the redelivery time): one settled within an interval
             # is never reported (issue 12: reporting every held message at every tick cost a
