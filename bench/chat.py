@@ -326,6 +326,94 @@ async def warm_up(nc: Client, delay_s: float) -> None:
         await s.unsubscribe()
 
 
+# Turns of one session, one after another, whose messages and CPU `census` counts.
+CENSUS_TURNS = 20
+
+
+def message_kind(subject: str, reply: str | None, replies: dict[str, str]) -> str:
+    """What a message on the bus is, for `census`: the command or event subject (its
+    first three tokens), the JetStream or KV operation and the consumer or bucket it
+    is for, a stream message delivered to a consumer (which keeps its subject), or for
+    a reply (`_INBOX…`) the kind of the request it answers."""
+    tokens = subject.split(".")
+    if reply is not None and reply.startswith("$JS.ACK."):
+        return f"delivered to {reply.split('.')[3]}"
+    if tokens[0] == "_INBOX":
+        return "reply to " + replies.get(subject, replies.get(subject.rsplit(".", 1)[0], "?"))
+    if subject.startswith("$JS.API.CONSUMER.MSG.NEXT."):
+        return f"pull {tokens[-1]}"
+    if subject.startswith("$JS.ACK."):
+        return f"ack {tokens[3]}"
+    if subject.startswith("$KV."):
+        return f"kv write {tokens[1]}"
+    if subject.startswith("$JS.API.DIRECT.GET."):
+        return f"kv read {tokens[4]}"
+    if subject.startswith("$JS.API."):
+        return ".".join(tokens[:4])
+    if subject.startswith(subjects.DELTA_PREFIX):
+        return "agent.delta (tokens)"
+    return ".".join(tokens[:2]) if tokens[0] in ("agent", "metering") else ".".join(tokens[:3])
+
+
+class Census:
+    """Counts the bus's messages by `message_kind` (a `>` subscription sees them all)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.replies: dict[str, str] = {}
+
+    async def on_msg(self, msg: Msg) -> None:
+        kind = message_kind(msg.subject, msg.reply, self.replies)
+        if msg.reply and not msg.subject.startswith("_INBOX"):
+            self.replies[msg.reply] = kind
+            self.replies[msg.reply.rsplit(".", 1)[0]] = kind
+        if kind.startswith("ack "):  # nats-py's ack is an empty body
+            kind += " " + (msg.data[:4].decode(errors="replace") or "+ACK")
+        self.counts[kind] += 1
+
+
+async def census(
+    nc: Client, delay_s: float, turns: int, groups: dict[str, list[int]], pool: asyncpg.Pool
+) -> tuple[list[str], tuple[str, int, CpuUsage]]:
+    """The messages of one session's turns, one after another, per turn, less what the
+    bus carries in as long with no turn (idle pulls, keep-alives, polls); and each
+    process's CPU per turn, less its own in as long idle: a turn's own work, with no
+    other turn beside it (a row of the CPU table)."""
+    session = await open_with_criativo(nc, asyncio.Semaphore(1))
+    chat, counting = Chat(delay_s), Census()
+    subs = [
+        await nc.subscribe(subjects.delta_subject(PROJECT, str(session)), cb=chat.on_delta),
+        await nc.subscribe(subjects.done_subject(PROJECT, str(session)), cb=chat.on_done),
+    ]
+    await nc.flush()
+    await chat.turn(nc, session)  # the session's first turn starts its actor: not counted
+    await asyncio.sleep(0.5)
+    watch = await nc.subscribe(">", cb=counting.on_msg)
+    await nc.flush()
+    meter = CpuMeter(groups, pool)
+    await meter.start()
+    started = time.perf_counter()
+    for _ in range(turns):
+        await chat.turn(nc, session)
+    await asyncio.sleep(0.5)  # the last turn's release and acks
+    elapsed = time.perf_counter() - started
+    cpu = await meter.stop(turns, elapsed)
+    busy, counting.counts = counting.counts, collections.Counter()
+    await meter.start()
+    await asyncio.sleep(elapsed)
+    idle_cpu = await meter.stop(turns, elapsed)
+    idle = counting.counts
+    for s in [watch, *subs]:
+        await s.unsubscribe()
+    own = {k: round(v - idle_cpu.ms_per_op.get(k, 0.0), 3) for k, v in cpu.ms_per_op.items()}
+    per_turn = {k: (busy[k] - idle[k]) / turns for k in busy | idle}
+    total = sum(v for k, v in per_turn.items() if not k.startswith("agent.delta"))
+    lines = [f"messages per turn ({turns} turns of one session, less as long idle):"]
+    lines += [f"  {v:6.2f}  {k}" for k, v in sorted(per_turn.items(), key=lambda x: -x[1]) if v]
+    lines.append(f"  {total:6.2f}  in all, beyond the token deltas")
+    return lines, ("1-by-1-idle", 1, CpuUsage(own, cpu.cores_ours, cpu.cores_machine))
+
+
 # The services `--py-spy` profiles during the turns.
 PROFILED = ("criativo", "metering", "session_events")
 
@@ -494,7 +582,9 @@ async def run(
         print(f"chat bench: {tokens} tokens per turn, one every {delay_ms} ms; "
               f"{os.cpu_count()} cores")  # fmt: skip
         await warm_up(nc, delay_ms / 1000)
-        goals, cpu_rows, bounds = Goals(), [], []
+        counted, one_by_one = await census(nc, delay_ms / 1000, CENSUS_TURNS, groups, pool)
+        print("\n".join(counted), flush=True)
+        goals, cpu_rows, bounds = Goals(), [one_by_one], []
         for level in levels:
             n = level.sessions
             spies = {p.module: p.pid for p in procs if spy_dir is not None and p.module in PROFILED}
@@ -526,7 +616,9 @@ async def run(
         print("\n".join(cpu_table(roles, cpu_rows, name_width=12)).replace("per op", "per turn", 1))
         print("  idle/s: CPU ms per second with no turn running (polls, fetches, keep-alives);")
         print("  a spread turn carries its share of it (idle/s ÷ turns per second); spread-idle")
-        print("  is the spread's CPU per turn without that share: the turn's own work")
+        print("  is the spread's CPU per turn without that share: the turn's own work;")
+        print(f"  1-by-1-idle: {CENSUS_TURNS} turns of one session one after another (the")
+        print("  messages counted above), less each process's CPU in as long idle")
         print("\n".join(bounds))
         print("goals:")
         print("\n".join(goals.report()))

@@ -66,7 +66,8 @@ STREAMING: list[tuple[str, str, str, type[Message] | None]] = [
     (
         "metering.alive",
         subjects.alive_subject("{key}"),
-        "An empty beat while metering handles the `cmd.llm.stream` that named this subject.",
+        "A beat while metering handles a `cmd.llm.stream` that named this subject; its body is "
+        "the turn's id (a caller's streams may share the subject).",
         None,
     ),
 ]

@@ -124,10 +124,11 @@ class LlmStream(LlmTurn):
     # The event the turn answers (a person's message), stamped on every delta so a
     # client can place the streaming text before the response event exists.
     causation_id: UUID | None = None
-    # Given, the replica handling the turn publishes an empty message there as it takes
-    # the turn, then every `alive_every_seconds` until it replies: a caller that hears nothing for
+    # Given, the replica handling the turn publishes the turn's id there as it takes the
+    # turn, then every `alive_every_seconds` until it replies: a caller that hears nothing for
     # a few beats knows the replica is gone, before or after the first delta, without
-    # reading a single delta (harness.client).
+    # reading a single delta (harness.client). The id tells apart the turns of a caller
+    # that names one subject for all its streams.
     alive_subject: AliveSubject | None = None
     alive_every_seconds: float = Field(
         default=5.0, ge=MIN_ALIVE_EVERY_SECONDS, le=MAX_ALIVE_EVERY_SECONDS

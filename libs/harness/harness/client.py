@@ -13,7 +13,10 @@ little to go by: a replica saturated with turns (its endpoint's concurrency) hol
 request unread, and giving it up then would run the turn twice; so that wait is bounded
 by the longer `unheard_seconds` (a replica killed after taking the request and before
 its first beat), or else by the request timeout only. The client never reads the
-turn's deltas: a beat is noted on arrival, unparsed, a few per turn, not one per token.
+turn's deltas: a beat is noted on arrival, a few per turn, not one per token. All of a
+client's streams name one alive subject, subscribed once, and a beat's body is its
+turn's id: no subscription made and dropped per turn (issue 12: a SUB and an UNSUB, a
+subscription task, and the server's interest changes, on every turn's first token).
 The lost id stays claimed in metering until its sweeper settles the hold, so the client
 remembers it: a re-run of the same input skips it rather than wait on "turn in
 progress".
@@ -31,10 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from uuid import UUID, uuid4
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from contracts import subjects
 from contracts.metering import (
@@ -73,6 +79,50 @@ class StreamSilent(TurnLost):
         super().__init__(turn_id, why, STREAM_SILENT)
 
 
+@dataclass
+class Heard:
+    """When a turn's beat was last heard (`time.monotonic()`; None: not yet), and how many
+    streams wait on it (one, unless its turn id is asked for again while it runs)."""
+
+    last: float | None = None
+    waiting: int = 0
+
+
+class Beats:
+    """The beats of one client's streams, on one subject subscribed once: each beat's body
+    names its turn id, and is noted for the streams waiting on that id."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self.subject = subjects.alive_subject(uuid4().hex)
+        self._sub: Subscription | None = None
+        self._subscribing = asyncio.Lock()
+        # By turn id, as the beat's body carries it.
+        self._heard: dict[bytes, Heard] = {}
+
+    @contextlib.asynccontextmanager
+    async def listening(self, turn_id: str) -> AsyncIterator[Heard]:
+        """Note `turn_id`'s beats while the block runs (subscribed before it starts)."""
+        if self._sub is None:
+            async with self._subscribing:
+                if self._sub is None:
+                    self._sub = await self._nc.subscribe(self.subject, cb=self._on_beat)
+        key = turn_id.encode()
+        heard = self._heard.setdefault(key, Heard())
+        heard.waiting += 1
+        try:
+            yield heard
+        finally:
+            heard.waiting -= 1
+            if not heard.waiting:
+                del self._heard[key]
+
+    async def _on_beat(self, msg: Msg) -> None:
+        heard = self._heard.get(msg.data)
+        if heard is not None:  # else a turn no longer waited on (answered, or given up)
+            heard.last = time.monotonic()
+
+
 class MeteringClient:
     """Sends turns to metering; a refusal or failure raises `servicekit.client.CommandFailed`."""
 
@@ -93,6 +143,7 @@ class MeteringClient:
         # re-run (the same input retried after an outage) goes to the next retry id at
         # once instead of waiting on "in progress". Insertion-ordered, the oldest dropped.
         self._lost: dict[str, None] = {}
+        self._beats = Beats(nc)
 
     async def turn(self, cmd: LlmTurn) -> TurnReply:
         """One whole-reply turn (`cmd.llm.turn`); no reply within `timeout`: `TurnLost`."""
@@ -112,42 +163,38 @@ class MeteringClient:
         if cmd.turn_id in self._lost:
             raise StreamSilent(cmd.turn_id, self._silence)
         every = min(max(self._silence / 4, MIN_ALIVE_EVERY_SECONDS), MAX_ALIVE_EVERY_SECONDS)
-        alive = subjects.alive_subject(uuid4().hex)
         # Copied, not validated again: two trusted values added to a checked command.
-        cmd = cmd.model_copy(update={"alive_subject": alive, "alive_every_seconds": every})
-        last_heard: float | None = None
-
-        async def heard(_: Msg) -> None:
-            nonlocal last_heard
-            last_heard = time.monotonic()
-
-        # Subscribed before the request goes out on the same connection: the server has
+        update = {"alive_subject": self._beats.subject, "alive_every_seconds": every}
+        cmd = cmd.model_copy(update=update)
+        # Listened for before the request goes out on the same connection: the server has
         # the subscription before metering can beat.
-        sub = await self._nc.subscribe(alive, cb=heard)
-        waiting = asyncio.ensure_future(
-            call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
-        )
-        asked = time.monotonic()
-        try:
-            while True:
-                done, _ = await asyncio.wait({waiting}, timeout=every)
-                if done:
-                    return waiting.result()
-                now = time.monotonic()
-                if last_heard is not None and now - last_heard > self._silence:
-                    raise self._lose(StreamSilent(cmd.turn_id, self._silence))
-                # Never beaten for: a replica killed after taking the request and before
-                # its first beat (issue 13's CI chaos run: one person waited out the 600 s).
-                # A live but saturated replica may hold a request that long unread; its
-                # turn, if it runs, is billed and its answer unused.
-                if last_heard is None and self._unheard is not None and now - asked > self._unheard:
-                    raise self._lose(StreamSilent(cmd.turn_id, self._unheard))
-        except TimeoutError:  # the request's own timeout, never beaten for
-            raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
-        finally:
-            waiting.cancel()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        async with self._beats.listening(cmd.turn_id) as heard:
+            waiting = asyncio.ensure_future(
+                call(self._nc, subjects.LLM_STREAM, cmd, TurnReply, timeout=self._timeout)
+            )
+            asked = time.monotonic()
+            try:
+                while True:
+                    done, _ = await asyncio.wait({waiting}, timeout=every)
+                    if done:
+                        return waiting.result()
+                    now = time.monotonic()
+                    if heard.last is not None and now - heard.last > self._silence:
+                        raise self._lose(StreamSilent(cmd.turn_id, self._silence))
+                    # Never beaten for: a replica killed after taking the request and
+                    # before its first beat (issue 13's CI chaos run: one person waited out
+                    # the 600 s). A live but saturated replica may hold a request that long
+                    # unread; its turn, if it runs, is billed and its answer unused.
+                    if (
+                        heard.last is None
+                        and self._unheard is not None
+                        and now - asked > self._unheard
+                    ):
+                        raise self._lose(StreamSilent(cmd.turn_id, self._unheard))
+            except TimeoutError:  # the request's own timeout, never beaten for
+                raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
+            finally:
+                waiting.cancel()
 
     @property
     def _no_reply(self) -> str:

@@ -141,9 +141,12 @@ class DurableConsumer:
         self.spec = spec
         self._handler = handler
         self._ordering_key = ordering_key
-        # Fetched and not settled yet, by identity (a `Msg` is not hashable): kept in
-        # progress until acked, nak'ed or termed.
-        self._held: dict[int, Msg] = {}
+        # Fetched and not settled yet, by identity (a `Msg` is not hashable), with when it
+        # was fetched or last reported in progress: kept in progress until acked, nak'ed or
+        # termed.
+        self._held: dict[int, tuple[Msg, float]] = {}
+        # Set while anything is held: the keep-alive sleeps, not ticks, while nothing is.
+        self._holding = asyncio.Event()
         # Per key, the task of its latest message (lanes, with `ordering_key`).
         self._lanes: dict[str, asyncio.Task[None]] = {}
         self._inflight: set[asyncio.Task[None]] = set()
@@ -176,7 +179,10 @@ class DurableConsumer:
                     )
                     await asyncio.sleep(UNAVAILABLE_PAUSE_SECONDS)
                     continue
-                self._held.update((id(m), m) for m in msgs)
+                fetched = time.monotonic()
+                self._held.update((id(m), (m, fetched)) for m in msgs)
+                if msgs:
+                    self._holding.set()
                 if self._ordering_key is None:
                     await self._handle_batch(msgs)
                 else:
@@ -256,11 +262,24 @@ class DurableConsumer:
         (an LLM turn, an analysis), or a message waiting for its turn, would be redelivered
         — to another replica — while it is still held, unless `in_progress` resets the timer.
         """
+        interval = self.spec.keep_alive_interval
         while True:
-            await asyncio.sleep(self.spec.keep_alive_interval)
-            for msg in list(self._held.values()):
+            if not self._held:  # an idle service wakes for nothing
+                self._holding.clear()
+                await self._holding.wait()
+            # Twice an interval, each message fetched or reported an interval ago or more (so
+            # within 1.5 intervals, half the redelivery time): one settled within an interval
+            # is never reported (issue 12: reporting every held message at every tick cost a
+            # chat turn 1.3 reports besides its ack).
+            await asyncio.sleep(interval / 2)
+            due = time.monotonic() - interval
+            for key, (msg, since) in list(self._held.items()):
+                if since > due:
+                    continue
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
+                if key in self._held:  # not settled meanwhile
+                    self._held[key] = msg, time.monotonic()
 
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered

@@ -369,3 +369,33 @@ async def test_a_message_whose_handler_outlasts_the_first_backoff_step_is_handle
     await wait_for(lambda: settled(js, spec, 1), what="the message settled")
     assert calls.of(f"{prefix}.a") == [1]
     assert await dead_letters(pool) == []
+
+
+async def test_a_message_settled_within_the_keep_alive_interval_is_never_reported_in_progress(
+    nc: Client, js: JetStreamContext, stream: tuple[str, str], run_consumer: RunConsumer
+) -> None:
+    # Reports are kept for what is held long (the test above): a report on a message about
+    # to be acked carries nothing. Each message here is held half the interval (1 s).
+    _, prefix = stream
+    spec = spec_for(stream, backoff=(3.0,))
+    assert spec.keep_alive_interval == 1.0
+    acks: list[bytes] = []
+
+    async def on_ack(msg: Msg) -> None:
+        acks.append(msg.data)
+
+    await nc.subscribe(f"$JS.ACK.{spec.stream}.{spec.durable}.>", cb=on_ack)
+    await nc.flush()
+
+    async def handler(msg: Msg) -> None:
+        await asyncio.sleep(0.5)  # the handler's own work, shorter than the interval
+
+    run_consumer(spec, handler)
+    # One at a time, so that each is held only while handled: reporting every held message
+    # at every tick reported some of them, a tick falling in their half-second.
+    for n in range(1, 7):
+        await publish(js, f"{prefix}.a", f"m-{n}")
+        await wait_for(lambda n=n: settled(js, spec, n), what=f"message {n} settled")
+
+    assert b"+WPI" not in acks
+    assert len(acks) == 6  # the acks (nats-py's is an empty body)

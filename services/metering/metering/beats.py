@@ -1,9 +1,10 @@
 """The beat of a streaming turn: a caller waiting on `cmd.llm.stream` hears that a replica
 is still handling its turn (`LlmStream.alive_subject`), from the moment the handler takes
 it (before the reservation) to the reply — before the first delta too, while the provider
-thinks. A replica SIGKILLed
-mid-turn stops beating, and the caller retries the turn without waiting out its
-request's timeout, and without reading the turn's deltas to find out (harness.client).
+thinks. Each beat's body is the turn's id, so a caller hears all its streams on one
+subject. A replica SIGKILLed mid-turn stops beating, and the caller retries the turn
+without waiting out its request's timeout, and without reading the turn's deltas to find
+out (harness.client).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ async def beating(nc: Client, cmd: LlmTurn) -> AsyncIterator[None]:
         yield
         return
     beat = asyncio.create_task(
-        _beat(nc, cmd.alive_subject, cmd.alive_every_seconds), name=f"beat:{cmd.turn_id}"
+        _beat(nc, cmd.alive_subject, cmd.turn_id.encode(), cmd.alive_every_seconds),
+        name=f"beat:{cmd.turn_id}",
     )
     try:
         yield
@@ -37,10 +39,11 @@ async def beating(nc: Client, cmd: LlmTurn) -> AsyncIterator[None]:
         beat.cancel()
 
 
-async def _beat(nc: Client, subject: str, every_seconds: float) -> None:
+async def _beat(nc: Client, subject: str, turn_id: bytes, every_seconds: float) -> None:
     while True:
         try:
-            await nc.publish(subject, b"")
+            # The turn id: a caller's streams share one alive subject (harness.client).
+            await nc.publish(subject, turn_id)
         except Exception as exc:  # the next beat tries again; the turn is not affected
             log.warning("beat_failed", subject=subject, error=repr(exc))
         await asyncio.sleep(every_seconds)
