@@ -189,6 +189,17 @@ async def test_a_row_committed_after_a_newer_one_is_still_published(
     assert msg_ids(await published(nc, stream)) == ["fast", "slow"]
 
 
+async def relay_polling_rarely(
+    pool: asyncpg.Pool, nc: Client, background: Background
+) -> OutboxRelay:
+    """A running relay that polls every two minutes, listening: within a test, only a
+    wake-up (a NOTIFY, or `OutboxRelay.wake`) makes it look at the outbox again."""
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=120)
+    background(relay.run())
+    await wait_for(lambda: listening(pool), what="the relay's LISTEN")
+    return relay
+
+
 async def test_notify_wakes_the_relay_long_before_its_poll(
     pool: asyncpg.Pool,
     js: JetStreamContext,
@@ -197,9 +208,7 @@ async def test_notify_wakes_the_relay_long_before_its_poll(
     background: Background,
 ) -> None:
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=120)
-    background(relay.run())
-    await wait_for(lambda: listening(pool), what="the relay's LISTEN")
+    relay = await relay_polling_rarely(pool, nc, background)
 
     for n in (1, 2):
         # After the first row, the relay is past its last SELECT: only a NOTIFY makes it
@@ -220,9 +229,7 @@ async def test_rows_of_a_process_with_its_relay_wake_it_without_a_notify(
     """`with_outbox` given the relay of its process: the committed rows wake it directly
     (its poll is two minutes away) and no NOTIFY goes to the database's listeners."""
     _, prefix = stream
-    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=120)
-    background(relay.run())
-    await wait_for(lambda: listening(pool), what="the relay's LISTEN")
+    relay = await relay_polling_rarely(pool, nc, background)
     heard: list[str] = []
 
     def hear(*args: Any) -> None:

@@ -122,6 +122,11 @@ class SessionLeases:
                 if entry.value != self._instance or entry.revision is None:
                     log.warning("lease_release_failed", session_id=key, error=repr(exc))
                     return  # taken since: not ours to delete
+                if entry.revision == revision:
+                    # The read came from a replica still behind the write that moved the
+                    # key (a cluster just back from losing quorum): let it catch up
+                    # rather than spend the attempts on the same stale revision.
+                    await asyncio.sleep(RENEW_RETRY_SECONDS)
                 revision = entry.revision
             except Exception as exc:
                 if not is_unavailable(exc) or attempt == RELEASE_ATTEMPTS:
