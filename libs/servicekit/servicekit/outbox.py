@@ -95,12 +95,17 @@ def _queue_statement(first: int, wake: str, returning: str = "") -> str:
     back, name them: `returning="effect"` selects `effect.*`.
     """
     p = [f"${first + i}" for i in range(5)]
-    # Delivered on commit, dropped on rollback: exactly the hint the relay needs.
-    tail = f"SELECT {returning}.*, {wake} FROM {returning}" if returning else f"SELECT {wake}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
-        f"VALUES ({p[0]}, {p[1]}, {p[2]}, {p[3]}, {p[4]})) {tail}"
+        f"VALUES ({p[0]}, {p[1]}, {p[2]}, {p[3]}, {p[4]})) {_tail(wake, returning)}"
     )
+
+
+def _tail(wake: str, returning: str) -> str:
+    """The final SELECT of a queue statement: the wake-up (a NOTIFY, delivered on commit and
+    dropped on rollback: exactly the hint the relay needs, or none), and with `returning`
+    the rows of that CTE."""
+    return f"SELECT {returning}.*, {wake} FROM {returning}" if returning else f"SELECT {wake}"
 
 
 def _queue_args(
@@ -346,13 +351,12 @@ def _queue_many_statement(first: int, wake: str, returning: str = "") -> str:
     """`_queue_statement` for many rows: five arrays, `$first`..`$first+4`, one element a
     row, inserted in array order (so a key's rows keep the order they were given in)."""
     p = [f"${first + i}" for i in range(5)]
-    tail = f"SELECT {returning}.*, {wake} FROM {returning}" if returning else f"SELECT {wake}"
     return (
         "queued AS (INSERT INTO outbox (subject, msg_id, body, headers, ordering_key) "
         "SELECT subject, msg_id, body, headers, ordering_key "
         f"FROM unnest({p[0]}::text[], {p[1]}::text[], {p[2]}::bytea[], {p[3]}::jsonb[], "
         f"{p[4]}::text[]) WITH ORDINALITY AS m(subject, msg_id, body, headers, ordering_key, n) "
-        f"ORDER BY n) {tail}"
+        f"ORDER BY n) {_tail(wake, returning)}"
     )
 
 

@@ -220,11 +220,7 @@ async def test_notify_wakes_the_relay_long_before_its_poll(
 
 
 async def test_rows_of_a_process_with_its_relay_wake_it_without_a_notify(
-    pool: asyncpg.Pool,
-    js: JetStreamContext,
-    nc: Client,
-    stream: tuple[str, str],
-    background: Background,
+    pool: asyncpg.Pool, nc: Client, stream: tuple[str, str], background: Background
 ) -> None:
     """`with_outbox` given the relay of its process: the committed rows wake it directly
     (its poll is two minutes away) and no NOTIFY goes to the database's listeners."""
