@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import Header, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
-from nats.js.kv import KV_DEL, KV_OP, KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from contracts.streams import StreamSpec
 from servicekit.logs import get_logger
@@ -191,6 +191,23 @@ class Bucket:
             await js.update_stream(info.config)
             kv = await js.key_value(config.bucket)
         return cls(js, config.bucket, kv)
+
+    async def latest(self, key: str) -> KeyValue.Entry | None:
+        """The key as the stream's leader has it; None when absent, deleted or purged.
+
+        `kv.get` may be answered by any replica (a direct get), and one still catching up
+        after a restart answers with a revision the leader has moved past: checked against
+        that, a refused compare-and-set is refused again and again. Read what the
+        compare-and-set was refused against: the leader's."""
+        try:
+            msg = await self.js.get_msg(
+                f"KV_{self.name}", subject=f"$KV.{self.name}.{key}", direct=False
+            )
+        except NotFoundError:
+            return None
+        if (msg.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE):
+            return None
+        return KeyValue.Entry(self.name, key, msg.data, msg.seq, None, None, None)
 
     async def delete(self, key: str, last: int) -> int:
         """Delete `key` if its revision is still `last`, as `KeyValue.delete(key, last=…)`

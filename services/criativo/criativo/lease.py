@@ -122,11 +122,6 @@ class SessionLeases:
                 if entry.value != self._instance or entry.revision is None:
                     log.warning("lease_release_failed", session_id=key, error=repr(exc))
                     return  # taken since: not ours to delete
-                if entry.revision == revision:
-                    # The read came from a replica still behind the write that moved the
-                    # key (a cluster just back from losing quorum): let it catch up
-                    # rather than spend the attempts on the same stale revision.
-                    await asyncio.sleep(RENEW_RETRY_SECONDS)
                 revision = entry.revision
             except Exception as exc:
                 if not is_unavailable(exc) or attempt == RELEASE_ATTEMPTS:
@@ -136,11 +131,9 @@ class SessionLeases:
         log.warning("lease_release_failed", session_id=key, error="moved on every attempt")
 
     async def _entry(self, key: str) -> KeyValue.Entry | None:
-        """The key as it is now; None when it is absent, deleted or expired."""
-        try:
-            return await self._opened.kv.get(key)
-        except KeyNotFoundError:  # KeyDeletedError too
-            return None
+        """The key as the bucket's leader has it now, what a refused write was checked
+        against (`Bucket.latest`); None when it is absent, deleted or expired."""
+        return await self._opened.latest(key)
 
     async def _release(self, key: str, revision: int) -> None:
         """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
