@@ -352,6 +352,7 @@ def py_spy(pid: int, path: Path, rate: int = 250) -> Iterator[None]:
     """Sample `pid` with py-spy (the dev group's) while the block runs, into `path` as
     collapsed stacks (`frame;frame;… count` lines, what `top_frames` reads)."""
     spy = Path(sys.executable).with_name("py-spy")
+    path.parent.mkdir(parents=True, exist_ok=True)  # py-spy writes nothing into a missing dir
     command = [
         str(spy),
         "record",

@@ -196,45 +196,48 @@ class LogTransaction:
         for e in events:  # in order: the first seq follows the one read, the last one wins
             read_seq.setdefault(e.session_id, e.seq - 1)
             last_seq[e.session_id] = e.seq
-        ids = sorted(last_seq)  # id order, as `lock_sessions`: concurrent writers queue
+        # Each event serialised once: its outbox row's body, and its columns, which
+        # Postgres reads back out of the same JSON. Values, not an array per column:
+        # asyncpg's array encoding cost more than the statement (`_queue_many_args`).
+        bodies = [e.model_dump_json().encode() for e in events]
         await self._outbox.send_many_with(
             """bump AS (UPDATE sessions s SET last_seq = b.last_seq
-                          FROM unnest($1::uuid[], $2::bigint[], $3::bigint[])
-                               AS b(id, read_seq, last_seq)
+                          FROM json_to_recordset($1::json)
+                               AS b(id uuid, read_seq bigint, last_seq bigint)
                          WHERE s.id = b.id AND s.last_seq = b.read_seq
                      RETURNING s.id),
                event AS (
                   INSERT INTO events (id, session_id, project_id, seq, type, actor,
                                       payload, causation_id, idempotency_key, created_at)
-                  SELECT * FROM unnest($4::uuid[], $5::uuid[], $6::text[], $7::bigint[],
-                                       $8::text[], $9::text[], $10::jsonb[], $11::uuid[],
-                                       $12::text[], $13::timestamptz[])
-                   WHERE (SELECT sessions_unmoved(count(*), cardinality($1::uuid[]))
+                  SELECT id, session_id, project_id, seq, type, actor,
+                         payload, causation_id, idempotency_key, created_at
+                    FROM ROWS FROM (
+                           json_to_recordset(convert_from($2::bytea, 'UTF8')::json)
+                             AS (id uuid, session_id uuid, project_id text, seq bigint,
+                                 type text, actor text, payload jsonb, causation_id uuid,
+                                 created_at timestamptz),
+                           json_array_elements_text($3::json))
+                      AS e(id, session_id, project_id, seq, type, actor, payload,
+                           causation_id, created_at, idempotency_key)
+                   WHERE (SELECT sessions_unmoved(count(*), json_array_length($1::json))
                             FROM bump))""",
             [
-                ids,
-                [read_seq[i] for i in ids],
-                [last_seq[i] for i in ids],
-                [e.id for e in events],
-                [e.session_id for e in events],
-                [e.project_id for e in events],
-                [e.seq for e in events],
-                [e.type.value for e in events],
-                [e.actor for e in events],
-                [e.payload for e in events],
-                [e.causation_id for e in events],
+                [  # id order, as `lock_sessions`: concurrent writers queue, not deadlock
+                    {"id": str(i), "read_seq": read_seq[i], "last_seq": last_seq[i]}
+                    for i in sorted(last_seq)
+                ],
+                b"[" + b",".join(bodies) + b"]",
                 [n.idempotency_key for n in new],
-                [e.created_at for e in events],
             ],
             [
                 Queued(
                     subjects.event_subject(e.type, e.project_id, e.session_id),
                     str(e.id),
-                    e.model_dump_json().encode(),
+                    body,
                     ordering_key=str(e.session_id),
                     headers=trace[i] if trace else None,
                 )
-                for i, e in enumerate(events)
+                for i, (e, body) in enumerate(zip(events, bodies, strict=True))
             ],
         )
 

@@ -285,8 +285,10 @@ async def test_a_batch_whose_session_moved_after_its_read_is_decided_again_under
 
 async def _waiting_for_a_lock(pool: asyncpg.Pool) -> bool:
     waiting: bool = await pool.fetchval(
+        # The statement's start: `pg_stat_activity` keeps only its first 1 KiB.
         """SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                          WHERE wait_event_type = 'Lock' AND query LIKE '%sessions_unmoved%')"""
+                          WHERE wait_event_type = 'Lock'
+                            AND query LIKE '%bump AS (UPDATE sessions%')"""
     )
     return waiting
 
