@@ -1,20 +1,23 @@
 """The web client as people use it (issue 16), in Debian's headless Chromium: markdown that
 renders safely, the writing indicator, Enter / Shift+Enter, a reader who scrolled up left
 alone, the token out of the address bar, the session list, rule cards linked to their
-message, Insights filters, the usage chart, dark mode, a phone's width, and axe-core (vendored,
-injected into each page) finding no serious or critical violation on any page."""
+message, Insights filters, the usage chart, dark mode, a phone's width, a handoff decided once
+(a double click, another tab first), and axe-core (vendored, injected into each page) finding
+no serious or critical violation on any page."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page, Request
+from playwright.async_api import Browser, Locator, Page, Request, WebSocketRoute
 
 from contracts import subjects
 from contracts.events import EventType
+from contracts.handoff import AcceptReply, Handoff, HandoffDecision, OfferHandoff, OfferReply
 from contracts.session_events import AppendedReply, AppendEvent
 from metering.providers.scripted import Script
 from servicekit.client import call
@@ -347,4 +350,87 @@ async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
         found = await axe_problems(phone)
         assert found == [], f"{name} (phone): {found}"
         await shot(phone, f"phone-{name}")
+    assert problems == []
+
+
+async def offer_on_page(gateway: Gateway, page: Page, nc: Client) -> tuple[Handoff, Locator]:
+    """A new session open in the page, an offer to the PO made in it, and the offer's
+    divider."""
+    session = await session_on_page(gateway, page)
+    offer = OfferHandoff(
+        project_id=gateway.project, session_id=session, from_agent="criativo", to_agent="po"
+    )
+    offered = await call(nc, subjects.HANDOFFS_OFFER, offer, OfferReply)
+    assert offered.handoff is not None
+    return offered.handoff, page.locator(f"#handoff-{offered.handoff.id}")
+
+
+@pytest.mark.timeout(120)
+async def test_a_handoff_decided_with_a_double_click_is_decided_once_without_an_error(
+    gateway: Gateway, browser: Browser, nc: Client
+) -> None:
+    """A double click on Accept decides the offer once: the buttons go with the first
+    click, and the person sees the offer accepted, not an `invalid_transition` for a
+    second decision of an offer already decided."""
+    page = await browser.new_page()
+    problems = watch_errors(page)
+    _, divider = await offer_on_page(gateway, page, nc)
+    await divider.locator("button", has_text="Accept").dblclick()
+
+    accepted = EventType.HANDOFF_ACCEPTED.value
+    await page.locator(f'#events li[data-type="{accepted}"]').wait_for(state="attached")
+    await divider.filter(has_text="(accepted)").wait_for()
+    assert await divider.locator("button").count() == 0
+    assert await page.locator("#events li[data-type='handoff.accepted']").count() == 1
+    assert (await page.locator("#problem").text_content()) == ""
+    assert problems == []
+
+
+@pytest.mark.timeout(120)
+async def test_an_offer_decided_elsewhere_while_shown_here_is_no_error_here(
+    gateway: Gateway, browser: Browser, nc: Client
+) -> None:
+    """Another tab (or person) accepted the offer, and its event has not reached this page
+    yet: Accept here is refused `invalid_transition`, which the page does not show as a
+    problem; the event then shows the offer accepted."""
+    page = await browser.new_page()
+    problems = watch_errors(page)
+    hold = True
+    held: list[str | bytes] = []
+    refused = False
+    to_pages: list[WebSocketRoute] = []
+
+    def route(ws: WebSocketRoute) -> None:
+        to_pages.append(ws)
+        server = ws.connect_to_server()
+        ws.on_message(server.send)
+
+        def to_page(message: str | bytes) -> None:
+            nonlocal refused
+            frame = json.loads(message)
+            late = held or frame.get("event", {}).get("type") == "handoff.accepted"
+            if hold and frame["type"] == "event" and late:
+                held.append(message)  # this page has not heard of it (and what follows) yet
+                return
+            refused = refused or "invalid_transition" in str(message)
+            ws.send(message)
+
+        server.on_message(to_page)
+
+    await page.route_web_socket("**/ws?*", route)
+    handoff, divider = await offer_on_page(gateway, page, nc)
+    await divider.locator("button", has_text="Accept").wait_for()
+    decision = HandoffDecision(handoff_id=handoff.id, session_id=handoff.session_id)
+    await call(nc, subjects.HANDOFFS_ACCEPT, decision, AcceptReply)  # the other tab
+    await wait_for(lambda: held, what="the acceptance to reach the page's socket")
+
+    await divider.locator("button", has_text="Accept").click()
+    await wait_for(lambda: refused, what="the second acceptance to be refused")
+    assert await divider.locator("button", has_text="Accept").is_disabled()  # still waiting
+    hold = False
+    for message in held:  # the acceptance reaches the page, after the refusal
+        to_pages[-1].send(message)
+    await divider.filter(has_text="(accepted)").wait_for()
+    assert await divider.locator("button").count() == 0
+    assert (await page.locator("#problem").text_content()) == ""
     assert problems == []

@@ -266,8 +266,8 @@ function onContent(e) {
       break;
     }
     case "handoff.offered": {
-      const accept = el("button", { onclick: () => act({ type: "accept_handoff", handoff_id: p.handoff_id }) }, "Accept");
-      const reject = el("button", { onclick: () => act({ type: "reject_handoff", handoff_id: p.handoff_id }) }, "Reject");
+      const accept = el("button", { onclick: () => decide("accept_handoff", p.handoff_id) }, "Accept");
+      const reject = el("button", { onclick: () => decide("reject_handoff", p.handoff_id) }, "Reject");
       chat.append(el("div", { class: "divider", id: `handoff-${p.handoff_id}`, role: "group", "aria-label": "Handoff offer" },
         `Handoff: ${p.from_agent} → ${p.to_agent} `, accept, " ", reject));
       break;
@@ -301,6 +301,10 @@ function onFrame(f) {
     problem.textContent = "";
     if (f.of === "chat" && f.client_msg_id && f.result && f.result.duplicate) settlePending(f.client_msg_id);
   } else if (f.type === "error") {
+    const decided = (f.ref || "").startsWith("decide:") ? f.ref.slice(7) : null;
+    // Decided already (another tab, another person): its event tells how, in the divider.
+    if (decided && f.code === "invalid_transition") return;
+    if (decided) decisionButtons(decided).forEach((b) => { b.disabled = false; });
     const chatRef = (f.ref || "").startsWith("chat:") ? f.ref.slice(5) : null;
     const item = chatRef && pending.find((p) => p.client_msg_id === chatRef);
     // A refusal that a later try can pass (a flood, a service restarting): try again on
@@ -341,6 +345,21 @@ function act(frame) {
   const sent = conn.send(frame);
   if (!sent) problem.textContent = "not connected: try again once the connection is live";
   return sent;
+}
+
+function decisionButtons(handoffId) {
+  const divider = document.getElementById(`handoff-${handoffId}`);
+  return divider ? [...divider.querySelectorAll("button")] : [];
+}
+
+// An offer is decided once: its buttons wait, disabled, for the decision's event (which
+// removes them) or its refusal (which gives them back), so a double click sends one frame.
+function decide(type, handoffId) {
+  const buttons = decisionButtons(handoffId);
+  buttons.forEach((b) => { b.disabled = true; });
+  if (!act({ type, handoff_id: handoffId, ref: `decide:${handoffId}` })) {
+    buttons.forEach((b) => { b.disabled = false; });
+  }
 }
 
 document.getElementById("start-criativo").onclick = () => act({ type: "start_agent", agent: "criativo" });
