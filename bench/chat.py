@@ -22,6 +22,8 @@ A subscriber on each session's `agent.delta.<project>.<session>` measures
 - per-token delivery: delta received − the provider's emit time;
 - CPU ms per turn of each process (services, NATS, Postgres), per scenario;
 and checks that every message got its `agent.done` and none came unasked for,
+and first prints the machine's price of waking up (a lone INSERT+COMMIT back to back
+and after half a second idle: the spread scenario's turns mostly find the machine idle),
 
 against a baseline measured in the same run: a raw NATS publish→subscribe hop of the
 same deltas, from another process, at the same rate and concurrency. Every service
@@ -46,6 +48,7 @@ import importlib.util
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import uuid
@@ -299,6 +302,37 @@ async def idle_cpu(groups: dict[str, list[int]], pool: asyncpg.Pool) -> CpuUsage
     started = time.perf_counter()
     await asyncio.sleep(IDLE_SECONDS)
     return await meter.stop(IDLE_SECONDS, time.perf_counter() - started)
+
+
+# The spread scenario's turns mostly arrive on an idle machine: what waking idle processes
+# costs here is part of every hop of a turn start, and no code of ours saves it.
+WAKE_GAP_S = 0.5
+WAKE_SAMPLES = 20
+
+
+async def idle_wake(pool: asyncpg.Pool) -> str:
+    """A lone INSERT+COMMIT (Postgres and this process only) back to back, and each after
+    `WAKE_GAP_S` with nothing running: the machine's price of waking up, as a line."""
+
+    async def insert() -> float:
+        started = time.perf_counter()
+        await pool.execute("INSERT INTO bench_wake VALUES ($1)", uuid.uuid4())
+        return (time.perf_counter() - started) * 1000
+
+    await pool.execute("CREATE TABLE bench_wake (id uuid PRIMARY KEY)")
+    try:
+        hot = [await insert() for _ in range(WAKE_SAMPLES)]
+        idle = []
+        for _ in range(WAKE_SAMPLES):
+            await asyncio.sleep(WAKE_GAP_S)
+            idle.append(await insert())
+    finally:
+        await pool.execute("DROP TABLE bench_wake")
+    return (
+        f"waking up: a lone INSERT+COMMIT p50 {statistics.median(hot):.2f} ms back to back, "
+        f"{statistics.median(idle):.2f} ms after {WAKE_GAP_S} s idle (a turn start crosses "
+        "the log, its relay, NATS, Criativo, metering and Postgres several times)"
+    )
 
 
 @dataclass
@@ -581,6 +615,7 @@ async def run(
         roles = [*groups, "postgres"]
         print(f"chat bench: {tokens} tokens per turn, one every {delay_ms} ms; "
               f"{os.cpu_count()} cores")  # fmt: skip
+        print(await idle_wake(pool), flush=True)
         await warm_up(nc, delay_ms / 1000)
         counted, one_by_one = await census(nc, delay_ms / 1000, CENSUS_TURNS, groups, pool)
         print("\n".join(counted), flush=True)
