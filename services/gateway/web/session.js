@@ -274,9 +274,8 @@ function onContent(e) {
     }
     case "handoff.accepted": case "handoff.rejected": case "handoff.superseded": {
       const id = p.handoff_id || p.handoffId;
-      const divider = document.getElementById(`handoff-${id}`);
-      if (divider) divider.querySelectorAll("button").forEach((b) => b.remove());
-      if (divider) divider.append(` (${e.type.split(".")[1]})`);
+      decisionButtons(id).forEach((b) => b.remove());
+      document.getElementById(`handoff-${id}`)?.append(` (${e.type.split(".")[1]})`);
       break;
     }
     case "session.closed": case "session.closed_abnormally":
@@ -301,11 +300,11 @@ function onFrame(f) {
     problem.textContent = "";
     if (f.of === "chat" && f.client_msg_id && f.result && f.result.duplicate) settlePending(f.client_msg_id);
   } else if (f.type === "error") {
-    const decided = (f.ref || "").startsWith("decide:") ? f.ref.slice(7) : null;
+    const decided = refOf(f, "decide:");
     // Decided already (another tab, another person): its event tells how, in the divider.
     if (decided && f.code === "invalid_transition") return;
     if (decided) decisionButtons(decided).forEach((b) => { b.disabled = false; });
-    const chatRef = (f.ref || "").startsWith("chat:") ? f.ref.slice(5) : null;
+    const chatRef = refOf(f, "chat:");
     const item = chatRef && pending.find((p) => p.client_msg_id === chatRef);
     // A refusal that a later try can pass (a flood, a service restarting): try again on
     // the next connection; anything else is shown on the message, which stays visible.
@@ -345,6 +344,11 @@ function act(frame) {
   const sent = conn.send(frame);
   if (!sent) problem.textContent = "not connected: try again once the connection is live";
   return sent;
+}
+
+// What a frame's `ref` names after `prefix` (the kind of frame it answers), or null.
+function refOf(frame, prefix) {
+  return (frame.ref || "").startsWith(prefix) ? frame.ref.slice(prefix.length) : null;
 }
 
 function decisionButtons(handoffId) {
