@@ -149,7 +149,18 @@ def replay(turn_id: str, ended: EndedTurn) -> TurnReply:
 
 @dataclass
 class DeltaPublisher:
-    """Publishes a streaming turn's text on its delta subject, numbered from 1, in order."""
+    """Publishes a streaming turn's text on its delta subject, numbered from 1, in order.
+
+    Coalesced under load: a piece is published at once, unless one already went out in
+    this turn of the event loop (the provider handed on several without waiting: the
+    events of one read of its stream). Those are held and go out as one delta once the
+    provider waits for its next read. A stream read as fast as it comes gives a delta per
+    piece, at the price of a callback each; one that arrives faster than this replica
+    reads it (the events pile up in the socket) gives fewer, larger deltas, so every hop
+    after this one (NATS, the gateway, each client) handles fewer messages just when it
+    is loaded (issue 12). `TurnDelta` is "a piece of text"; a held delta's `emitted_at`
+    is its first piece's, so the latency it reports is its oldest's.
+    """
 
     nc: Client
     subject: str
@@ -158,17 +169,51 @@ class DeltaPublisher:
     seq: int = 0
     # Set once the stream runs: after a stop nothing more is published.
     running: RunningTurn | None = None
-    # What was handed on, the reply of a stopped stream (the SDK's own copy is lost
+    # What was published, the reply of a stopped stream (the SDK's own copy is lost
     # with the aborted call).
     pieces: list[str] = field(default_factory=list)
+    # Whether a piece went out in this turn of the loop; the pieces held since, the time
+    # of the first, and the task that publishes them once the provider waits.
+    _sent_this_turn: bool = False
+    _held: list[str] = field(default_factory=list)
+    _held_at: float = 0.0
+    _publishing: asyncio.Task[None] | None = None
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
+    @property
+    def stopped(self) -> bool:
+        return self.running is not None and self.running.stopped
+
     async def __call__(self, text: str, emitted_at: float) -> None:
-        if self.running is not None and self.running.stopped:
+        if self.stopped:
             return  # stopped: a flag look-up, no I/O on the per-token path
+        if self._held or self._sent_this_turn:  # never ahead of a held piece
+            if not self._held:
+                self._held_at = emitted_at
+                self._publishing = asyncio.create_task(self._publish_held())
+            self._held.append(text)
+            return
+        self._sent_this_turn = True
+        asyncio.get_running_loop().call_soon(self._next_turn)
+        await self._publish(text, emitted_at)
+
+    async def flush(self) -> None:
+        """Publish what is held now (the stream ended: its reply must not overtake it)."""
+        if self._publishing is not None:
+            await self._publishing
+
+    def _next_turn(self) -> None:
+        self._sent_this_turn = False
+
+    async def _publish_held(self) -> None:
+        held, self._held = self._held, []
+        if not self.stopped:  # a stop drops what was held: the reply holds what went out
+            await self._publish("".join(held), self._held_at)
+
+    async def _publish(self, text: str, emitted_at: float) -> None:
         self.seq += 1
         # Before the publish: nats-py queues the message before its first await, so a
         # piece recorded here is a piece that went out.
@@ -204,7 +249,7 @@ class Outcome:
 def _stopped(publisher: DeltaPublisher | None) -> bool:
     """Whether a cancel stopped this stream (and the command itself is not being cancelled:
     a replica shutting down is not a person pressing Stop)."""
-    if publisher is None or publisher.running is None or not publisher.running.stopped:
+    if publisher is None or not publisher.stopped:
         return False
     task = asyncio.current_task()
     return task is None or task.cancelling() == 0
@@ -375,6 +420,7 @@ class TurnRunner:
         publisher.running = self.cancels.start(cmd.turn_id, cmd.project_id, cmd.session_id, task)
         try:
             outcome = await self._outcome(task, publisher, cmd.turn_id)
+            await publisher.flush()
         finally:
             self.cancels.finish(publisher.running)
         if outcome is not None:

@@ -31,10 +31,11 @@ from contracts.metering import (
     UsageSummaryRequest,
 )
 from domain.metering import Price, cost_micros, estimate_input_tokens, worst_case_micros
+from metering.cancels import RunningTurn
 from metering.catalog import Catalog
 from metering.repository import MeteringRepository
 from metering.testing import Metering, Starter
-from metering.turns import prompt_bytes
+from metering.turns import DeltaPublisher, prompt_bytes
 from servicekit.client import CommandFailed, call
 from servicekit.db import create_pool
 from servicekit.testing import subscribed, wait_for
@@ -211,7 +212,7 @@ async def test_repeating_a_turn_id_returns_the_stored_reply_and_calls_nothing(
     assert len(await usage_rows(metering.db, turn_id=cmd.turn_id)) == 1
 
 
-async def test_a_stream_publishes_numbered_deltas_in_order_then_replies_whole(
+async def test_a_stream_publishes_its_text_in_numbered_deltas_then_replies_whole(
     nc: Client, metering: Metering
 ) -> None:
     subject = f"agent.delta.proj.{uuid.uuid4()}"
@@ -224,18 +225,74 @@ async def test_a_stream_publishes_numbered_deltas_in_order_then_replies_whole(
     await subscribed(nc)
     cmd = LlmStream(**turn("streamer").model_dump(), delta_subject=subject)
     reply = await run_turn(nc, cmd, subjects.LLM_STREAM)
-    await wait_for(lambda: len(deltas) == 10, what="ten deltas")
+    text = "one two three four five six seven eight nine ten"
+    # Published before the reply: they are all here once it is (one connection, in order).
+    await wait_for(lambda: "".join(d.text for d in deltas) == text, what="the whole text")
     await sub.unsubscribe()
 
-    assert [d.seq for d in deltas] == list(range(1, 11))
+    assert [d.seq for d in deltas] == list(range(1, len(deltas) + 1))
     assert {d.turn_id for d in deltas} == {cmd.turn_id}
-    text = "".join(d.text for d in deltas)
-    assert text == "one two three four five six seven eight nine ten"
     assert reply.content[0].type == "text" and reply.content[0].text == text
     assert reply.usage.output_tokens == 10
     [row] = await usage_rows(metering.db, turn_id=cmd.turn_id)
     assert (row["kind"], row["status"]) == ("stream", "ok")
     assert row["first_token_at"] is not None
+
+
+async def test_pieces_handed_on_together_after_the_first_go_as_one_delta(nc: Client) -> None:
+    """The first piece of a read of the provider's stream is published at once; the rest
+    of that read is published as one delta once the provider waits again (its first
+    piece's time): fewer messages for every hop after metering when text arrives faster
+    than it is read (issue 12), a delta per piece when it is read as it comes."""
+    subject = f"agent.delta.proj.{uuid.uuid4()}"
+    deltas: list[TurnDelta] = []
+
+    async def collect(msg: Msg) -> None:
+        deltas.append(TurnDelta.model_validate_json(msg.data))
+
+    await nc.subscribe(subject, cb=collect)
+    await subscribed(nc)
+    publish = DeltaPublisher(nc, subject, "turn-coalesced")
+    for at, piece in enumerate(["Bom ", "dia", ", ", "Ana"]):  # one read: no wait between
+        await publish(piece, float(at))
+    await asyncio.sleep(0)  # the provider waits for its next read
+    await publish(".", 9.0)
+    await publish.flush()  # the stream ended
+    await wait_for(lambda: len(deltas) == 3, what="three deltas")
+
+    got = [(d.seq, d.text, d.emitted_at, d.turn_id) for d in deltas]
+    assert got == [
+        (1, "Bom ", 0.0, "turn-coalesced"),
+        (2, "dia, Ana", 1.0, "turn-coalesced"),
+        (3, ".", 9.0, "turn-coalesced"),
+    ]
+    assert publish.text == "Bom dia, Ana."
+
+
+async def test_pieces_held_when_the_stream_is_stopped_are_never_published(nc: Client) -> None:
+    subject = f"agent.delta.proj.{uuid.uuid4()}"
+    deltas: list[TurnDelta] = []
+
+    async def collect(msg: Msg) -> None:
+        deltas.append(TurnDelta.model_validate_json(msg.data))
+
+    await nc.subscribe(subject, cb=collect)
+    await subscribed(nc)
+    provider_call = asyncio.get_running_loop().create_future()
+    publish = DeltaPublisher(nc, subject, "turn-stopped")
+    publish.running = RunningTurn(("turn-stopped", "proj", None), provider_call)
+    await publish("one ", 1.0)  # published at once
+    await publish("two ", 2.0)  # the same read: held until the provider waits
+    assert publish.running.stop()  # `cmd.llm.cancel`, before the provider waited again
+    await publish.flush()
+    await publish("three", 3.0)
+    await publish.flush()
+    await nc.flush()
+    await wait_for(lambda: len(deltas) == 1, what="the delta before the stop")
+    await asyncio.sleep(0.1)  # anything published later would have arrived by now
+
+    assert [(d.seq, d.text) for d in deltas] == [(1, "one ")]
+    assert publish.text == "one "  # the stopped stream's reply: what went out
 
 
 async def test_a_turn_that_does_not_fit_is_refused_before_any_provider_call(

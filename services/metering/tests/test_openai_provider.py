@@ -420,7 +420,8 @@ async def test_a_binding_names_the_openai_provider_and_metering_streams_and_bill
     assert reply.usage == TokenUsage(input_tokens=300, output_tokens=4)
     assert reply.cost_micros == 0 and reply.budget_remaining_micros == 0
     await wait_for(lambda: deltas.text(cmd.turn_id) == "Bom dia.", what="the deltas")
-    assert [d.seq for d in deltas.of(cmd.turn_id)] == [1, 2]
+    numbered = [d.seq for d in deltas.of(cmd.turn_id)]
+    assert numbered == list(range(1, len(numbered) + 1))
     row, hold, _ = await billed(running.db, cmd)
     assert (row["provider"], row["model"], row["status"]) == ("openai", LOCAL, "ok")
     assert usage_of(row) == reply.usage
@@ -523,8 +524,9 @@ async def test_a_cancel_closes_the_openai_stream_and_bills_the_partial_answer(
     [block] = reply.content
     assert block.type == "text"
     await wait_for(lambda: deltas.text(cmd.turn_id) == block.text, what="every delta sent")
-    received = len(deltas.of(cmd.turn_id))
-    assert 3 <= received < len(pieces) and block.text == "".join(pieces[:received])
+    received = len(block.text.split())  # pieces: those that came together, fewer deltas
+    assert 3 <= len(deltas.of(cmd.turn_id)) <= received < len(pieces)
+    assert block.text == "".join(pieces[:received])
     # the usage chunk never came: input from the prompt's size, output from the text
     assert reply.usage.input_tokens > 0
     assert reply.usage.output_tokens >= estimate_output_tokens(received, len(block.text))

@@ -5,7 +5,10 @@ A step says what to write (text, tool calls, or a named responder that builds it
 answer from the conversation), how many tokens to report, how fast to emit text,
 and optionally to fail (before or in the middle of the stream) like a real
 provider does. Text is emitted word by word at `token_delay_ms`, scheduled from the
-start of the reply so the rate does not drift.
+start of the reply so the rate does not drift; words already due when the provider gets
+to them (at a zero delay, all of them) come at once, without waiting in between, as the
+events of one read of a real stream do (metering publishes the first at once and the
+rest of them as one delta: `metering.turns.DeltaPublisher`).
 """
 
 from __future__ import annotations
@@ -273,8 +276,12 @@ class ScriptedProvider:
         for i, word in enumerate(words):
             if step.fail is not None and i == step.fail_after_words:
                 self._fail(step)
-            if delay:
-                await asyncio.sleep(max(0.0, started + (i + 1) * delay - time.monotonic()))
+            # A word not yet due is waited for; words already due (this replica fell
+            # behind) come at once, as a real stream's events do when they piled up in
+            # the socket between two reads.
+            wait = started + (i + 1) * delay - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
             at = progress.text()
             # cumulative output so far, as a message_delta would report it
             progress.current = progress.current.model_copy(update={"output_tokens": i + 1})
