@@ -209,14 +209,14 @@ class Bucket:
             return None
         return KeyValue.Entry(self.name, key, msg.data, msg.seq, None, None, None)
 
-    async def delete(self, key: str, last: int) -> int:
-        """Delete `key` if its revision is still `last`, as `KeyValue.delete(key, last=…)`
-        does, and return the delete marker's revision, which that one does not: a caller
-        that writes the key again next can compare-and-set on the marker
-        (`kv.update(key, value, last=marker)`) in one round trip."""
-        ack = await self.js.publish(
-            f"$KV.{self.name}.{key}",
-            b"",
-            headers={KV_OP: KV_DEL, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)},
-        )
+    async def delete(self, key: str, last: int | None) -> int:
+        """Delete `key` if its revision is still `last` (None: whatever it is), as
+        `KeyValue.delete(key, last=…)` does, and return the delete marker's revision,
+        which that one does not: a caller that writes the key again next can
+        compare-and-set on the marker (`kv.update(key, value, last=marker)`) in one
+        round trip."""
+        headers = {KV_OP: KV_DEL}
+        if last is not None:
+            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)
+        ack = await self.js.publish(f"$KV.{self.name}.{key}", b"", headers=headers)
         return ack.seq

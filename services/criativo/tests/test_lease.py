@@ -11,11 +11,11 @@ import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import BadRequestError, KeyNotFoundError
 from structlog.testing import capture_logs
 
 from criativo.lease import BUCKET, SessionLeases
-from servicekit.bus import server_urls
+from servicekit.bus import Bucket, server_urls
 from servicekit.embedded import start_nats_cluster
 from servicekit.testing import wait_for
 
@@ -112,6 +112,43 @@ async def test_a_release_after_a_write_that_went_unanswered_still_frees_the_sess
         with pytest.raises(KeyNotFoundError):
             await kv.get(str(session))
     assert not [e for e in logged if e["event"] == "lease_release_failed"]
+
+
+class InFlightRefusals(Bucket):
+    """The bucket as a cluster just back from losing quorum answered it: every delete
+    conditioned on a revision refused with nats-server's in-flight `wrong last sequence`
+    (err_code 10164), while the leader shows the key as it is."""
+
+    async def delete(self, key: str, last: int | None) -> int:
+        if last is not None:
+            raise BadRequestError(code=400, err_code=10164, description="wrong last sequence")
+        return await super().delete(key, last)
+
+
+async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_unconditionally(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen in CI after a cluster regained quorum: the release was refused on every attempt
+    and the lease was left for its TTL to free, holding the session's next input."""
+    monkeypatch.setattr("criativo.lease.RETRY_SECONDS", 0.001)
+    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30)
+    await leases.open()
+    opened = leases._opened
+    leases._bucket = InFlightRefusals(opened.js, opened.name, opened.kv)
+    session = uuid.uuid4()
+    with capture_logs() as logged:
+        async with leases.hold(session):
+            assert await holder(nc, session) == b"replica-a"
+    with pytest.raises(KeyNotFoundError):
+        await (await nc.jetstream().key_value(BUCKET)).get(str(session))
+    events = [e["event"] for e in logged]
+    assert "lease_released_unconditionally" in events and "lease_release_failed" not in events
+    [freed] = [e for e in logged if e["event"] == "lease_released_unconditionally"]
+    assert "err_code=10164" in freed["last_refusal"]
+    other = SessionLeases(nc.jetstream(), "replica-b", ttl_seconds=30)
+    await other.open()
+    async with other.hold(session):
+        assert await holder(nc, session) == b"replica-b"  # free for the next replica
 
 
 async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() -> None:
