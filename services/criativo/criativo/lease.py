@@ -205,6 +205,15 @@ class SessionLeases:
             entry = await self._entry(key)
             if entry is None or entry.value != self._instance or entry.revision is None:
                 raise
+            if entry.revision == revision:
+                # Refused, yet the key is where this replica left it: nats-server holds an
+                # earlier compare-and-set of it in flight (err_code 10164, seen after a
+                # cluster regained quorum; see `_release_soon`). Taking the revision as
+                # renewed would write nothing, and the TTL would run out under the turn.
+                # No other replica can write the key while it is there: renew it as is.
+                renewed = await kv.put(key, self._instance)
+                log.info("lease_renewed_unconditionally", session_id=key, revision=renewed)
+                return renewed
             log.info("lease_renewal_found_applied", session_id=key, revision=entry.revision)
             return entry.revision
 

@@ -3,6 +3,7 @@ that released it, and never on the word of a revision someone wrote past."""
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import uuid
 from pathlib import Path
@@ -11,7 +12,8 @@ import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.errors import BadRequestError, KeyNotFoundError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 from structlog.testing import capture_logs
 
 from criativo.lease import BUCKET, SessionLeases
@@ -149,6 +151,43 @@ async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_uncondit
     await other.open()
     async with other.hold(session):
         assert await holder(nc, session) == b"replica-b"  # free for the next replica
+
+
+class InFlightUpdates(KeyValue):
+    """The bucket's key-value view as the same cluster answered it: every compare-and-set
+    on a revision refused with the in-flight `wrong last sequence` (a create, `last=0`,
+    still goes through)."""
+
+    async def update(
+        self, key: str, value: bytes, last: int | None = None, validate_keys: bool = True
+    ) -> int:
+        if last:
+            raise KeyWrongLastSequenceError(description="wrong last sequence")
+        return await super().update(key, value, last=last, validate_keys=validate_keys)
+
+
+async def test_a_renewal_refused_while_the_key_is_still_ours_renews_it_unconditionally(
+    nc: Client,
+) -> None:
+    """Taking a refused renewal for one that landed (the key is ours, at the revision we
+    left it) wrote nothing: the TTL ran on, and the lease would expire under the turn."""
+    ttl = 0.6  # renewed every 0.2 s
+    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=ttl)
+    await leases.open()
+    try:
+        opened, kv = leases._opened, leases._opened.kv
+        refusing = InFlightUpdates(kv._name, kv._stream, kv._pre, kv._js, kv._direct)
+        leases._bucket = Bucket(opened.js, opened.name, refusing)
+        session = uuid.uuid4()
+        with capture_logs() as logged:
+            async with leases.hold(session):
+                await asyncio.sleep(ttl * 3)  # expired twice over, unless renewed
+                assert await holder(nc, session) == b"replica-a"
+        renewals = [e for e in logged if e["event"] == "lease_renewed_unconditionally"]
+        assert len(renewals) >= 3
+        assert not [e for e in logged if e["event"] in ("lease_lost", "lease_release_failed")]
+    finally:  # the bucket's TTL is shared: back to the other tests'
+        await SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30).open()
 
 
 async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() -> None:
