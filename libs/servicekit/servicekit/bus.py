@@ -209,6 +209,11 @@ class Bucket:
             return None
         return KeyValue.Entry(self.name, key, msg.data, msg.seq, None, None, None)
 
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        """Write `key` if its revision is still `last` (`KeyValue.update`); its new revision.
+        Refused with `KeyWrongLastSequenceError`."""
+        return await self.kv.update(key, value, last=last)
+
     async def delete(self, key: str, last: int | None) -> int:
         """Delete `key` if its revision is still `last` (None: whatever it is), as
         `KeyValue.delete(key, last=…)` does, and return the delete marker's revision,

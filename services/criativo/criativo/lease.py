@@ -53,10 +53,19 @@ REMEMBERED_RELEASES = 10_000
 class SessionLeases:
     """Leases on sessions, held by this instance."""
 
-    def __init__(self, js: JetStreamContext, instance: str, ttl_seconds: float) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        instance: str,
+        ttl_seconds: float,
+        bucket: type[Bucket] = Bucket,
+    ) -> None:
+        """`bucket`: the class of the bucket opened (a test gives one that answers as a
+        cluster did)."""
         self._js = js
         self._instance = instance.encode()
         self._ttl = ttl_seconds
+        self._bucket_class = bucket
         self._bucket: Bucket | None = None
         # By session key: the revision of the delete marker this replica's release left.
         self._released: dict[str, int] = {}
@@ -64,7 +73,7 @@ class SessionLeases:
     async def open(self, replicas: int = 1) -> None:
         """Create the bucket, or bring its TTL to ours (replicas share one setting)."""
         config = KeyValueConfig(bucket=BUCKET, ttl=self._ttl, history=1, replicas=replicas)
-        self._bucket = await Bucket.open(self._js, config)
+        self._bucket = await self._bucket_class.open(self._js, config)
 
     @property
     def _opened(self) -> Bucket:
@@ -82,11 +91,11 @@ class SessionLeases:
 
         Yields whether the lease was resumed: taken from this replica's own release, with
         no other holder in between."""
-        kv, key = self._opened.kv, str(session_id)
-        revision, resumed = await self._acquire(kv, key)
+        bucket, key = self._opened, str(session_id)
+        revision, resumed = await self._acquire(bucket, key)
         state = {"revision": revision}
         done = asyncio.Event()
-        renewer = asyncio.create_task(self._renew(kv, key, state, done))
+        renewer = asyncio.create_task(self._renew(bucket, key, state, done))
         try:
             yield resumed
         finally:
@@ -174,15 +183,15 @@ class SessionLeases:
         if len(self._released) > REMEMBERED_RELEASES:
             del self._released[next(iter(self._released))]
 
-    async def _acquire(self, kv: KeyValue, key: str) -> tuple[int, bool]:
+    async def _acquire(self, bucket: Bucket, key: str) -> tuple[int, bool]:
         """The lease's revision, and whether it was resumed from our own release."""
         released = self._released.pop(key, None)
         if released is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):  # written since: as below
-                return await kv.update(key, self._instance, last=released), True
+                return await bucket.update(key, self._instance, last=released), True
         while True:
             try:
-                return await kv.create(key, self._instance), False
+                return await bucket.kv.create(key, self._instance), False
             except KeyWrongLastSequenceError:
                 await asyncio.sleep(RETRY_SECONDS)  # held elsewhere: until released or expired
             except KeyNotFoundError:
@@ -194,13 +203,13 @@ class SessionLeases:
                 # waited out the consumer's backoff, minutes.
                 await asyncio.sleep(RETRY_SECONDS)
 
-    async def _renewed(self, kv: KeyValue, key: str, revision: int) -> int:
+    async def _renewed(self, bucket: Bucket, key: str, revision: int) -> int:
         """The lease's revision once renewed from `revision`. A renewal whose write landed
         but whose answer was lost (a node restarting, a timeout under load) leaves the key
         past `revision` in this replica's name, which only this replica writes: still its
         lease, at the key's revision. Anyone else's name, or no key, is a lease lost."""
         try:
-            return await kv.update(key, self._instance, last=revision)
+            return await bucket.update(key, self._instance, last=revision)
         except KeyWrongLastSequenceError:
             entry = await self._entry(key)
             if entry is None or entry.value != self._instance or entry.revision is None:
@@ -211,14 +220,14 @@ class SessionLeases:
                 # cluster regained quorum; see `_release_soon`). Taking the revision as
                 # renewed would write nothing, and the TTL would run out under the turn.
                 # No other replica can write the key while it is there: renew it as is.
-                renewed = await kv.put(key, self._instance)
+                renewed = await bucket.kv.put(key, self._instance)
                 log.info("lease_renewed_unconditionally", session_id=key, revision=renewed)
                 return renewed
             log.info("lease_renewal_found_applied", session_id=key, revision=entry.revision)
             return entry.revision
 
     async def _renew(
-        self, kv: KeyValue, key: str, state: dict[str, int], done: asyncio.Event
+        self, bucket: Bucket, key: str, state: dict[str, int], done: asyncio.Event
     ) -> None:
         wait = self._ttl / 3
         while True:
@@ -226,7 +235,7 @@ class SessionLeases:
                 await asyncio.wait_for(done.wait(), wait)
                 return
             try:
-                state["revision"] = await self._renewed(kv, key, state["revision"])
+                state["revision"] = await self._renewed(bucket, key, state["revision"])
             except Exception as exc:
                 # A cluster node down (no stream response, a 503, a timeout) is not a lease
                 # taken: ask again soon, while the lease still has time to live. Giving up

@@ -13,7 +13,6 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 from structlog.testing import capture_logs
 
 from criativo.lease import BUCKET, SessionLeases
@@ -117,9 +116,12 @@ async def test_a_release_after_a_write_that_went_unanswered_still_frees_the_sess
 
 
 class InFlightRefusals(Bucket):
-    """The bucket as a cluster just back from losing quorum answered it: every delete
+    """The bucket as a cluster just back from losing quorum answered it: every write
     conditioned on a revision refused with nats-server's in-flight `wrong last sequence`
     (err_code 10164), while the leader shows the key as it is."""
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        raise KeyWrongLastSequenceError(description="wrong last sequence")
 
     async def delete(self, key: str, last: int | None) -> int:
         if last is not None:
@@ -133,10 +135,8 @@ async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_uncondit
     """Seen in CI after a cluster regained quorum: the release was refused on every attempt
     and the lease was left for its TTL to free, holding the session's next input."""
     monkeypatch.setattr("criativo.lease.RETRY_SECONDS", 0.001)
-    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30)
+    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30, bucket=InFlightRefusals)
     await leases.open()
-    opened = leases._opened
-    leases._bucket = InFlightRefusals(opened.js, opened.name, opened.kv)
     session = uuid.uuid4()
     with capture_logs() as logged:
         async with leases.hold(session):
@@ -153,31 +153,15 @@ async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_uncondit
         assert await holder(nc, session) == b"replica-b"  # free for the next replica
 
 
-class InFlightUpdates(KeyValue):
-    """The bucket's key-value view as the same cluster answered it: every compare-and-set
-    on a revision refused with the in-flight `wrong last sequence` (a create, `last=0`,
-    still goes through)."""
-
-    async def update(
-        self, key: str, value: bytes, last: int | None = None, validate_keys: bool = True
-    ) -> int:
-        if last:
-            raise KeyWrongLastSequenceError(description="wrong last sequence")
-        return await super().update(key, value, last=last, validate_keys=validate_keys)
-
-
 async def test_a_renewal_refused_while_the_key_is_still_ours_renews_it_unconditionally(
     nc: Client,
 ) -> None:
     """Taking a refused renewal for one that landed (the key is ours, at the revision we
     left it) wrote nothing: the TTL ran on, and the lease would expire under the turn."""
     ttl = 1.5  # renewed every 0.5 s: a second to spare on a loaded machine
-    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=ttl)
+    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=ttl, bucket=InFlightRefusals)
     await leases.open()
     try:
-        opened, kv = leases._opened, leases._opened.kv
-        refusing = InFlightUpdates(kv._name, kv._stream, kv._pre, kv._js, kv._direct)
-        leases._bucket = Bucket(opened.js, opened.name, refusing)
         session = uuid.uuid4()
         with capture_logs() as logged:
             async with leases.hold(session):

@@ -239,12 +239,8 @@ async def test_a_stream_publishes_its_text_in_numbered_deltas_then_replies_whole
     assert row["first_token_at"] is not None
 
 
-async def test_pieces_handed_on_together_after_the_first_go_as_one_delta(nc: Client) -> None:
-    """The first piece of a read of the provider's stream is published at once; the rest
-    of that read is published as one delta once the provider waits again (its first
-    piece's time): fewer messages for every hop after metering when text arrives faster
-    than it is read (issue 12), a delta per piece when it is read as it comes."""
-    subject = f"agent.delta.proj.{uuid.uuid4()}"
+async def published(nc: Client, subject: str) -> list[TurnDelta]:
+    """The deltas published on `subject` from now on, as they arrive."""
     deltas: list[TurnDelta] = []
 
     async def collect(msg: Msg) -> None:
@@ -252,6 +248,16 @@ async def test_pieces_handed_on_together_after_the_first_go_as_one_delta(nc: Cli
 
     await nc.subscribe(subject, cb=collect)
     await subscribed(nc)
+    return deltas
+
+
+async def test_pieces_handed_on_together_after_the_first_go_as_one_delta(nc: Client) -> None:
+    """The first piece of a read of the provider's stream is published at once; the rest
+    of that read is published as one delta once the provider waits again (its first
+    piece's time): fewer messages for every hop after metering when text arrives faster
+    than it is read (issue 12), a delta per piece when it is read as it comes."""
+    subject = f"agent.delta.proj.{uuid.uuid4()}"
+    deltas = await published(nc, subject)
     publish = DeltaPublisher(nc, subject, "turn-coalesced")
     for at, piece in enumerate(["Bom ", "dia", ", ", "Ana"]):  # one read: no wait between
         await publish(piece, float(at))
@@ -271,13 +277,7 @@ async def test_pieces_handed_on_together_after_the_first_go_as_one_delta(nc: Cli
 
 async def test_pieces_held_when_the_stream_is_stopped_are_never_published(nc: Client) -> None:
     subject = f"agent.delta.proj.{uuid.uuid4()}"
-    deltas: list[TurnDelta] = []
-
-    async def collect(msg: Msg) -> None:
-        deltas.append(TurnDelta.model_validate_json(msg.data))
-
-    await nc.subscribe(subject, cb=collect)
-    await subscribed(nc)
+    deltas = await published(nc, subject)
     provider_call = asyncio.get_running_loop().create_future()
     publish = DeltaPublisher(nc, subject, "turn-stopped")
     publish.running = RunningTurn(("turn-stopped", "proj", None), provider_call)
