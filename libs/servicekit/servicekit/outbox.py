@@ -13,9 +13,10 @@ is what guarantees progress. Each schema notifies on its own channel
 append of every service sharing the database.
 
 Order: rows sharing an `ordering_key` (a session id) are delivered in the order they
-were written — across retries and across relay replicas. A key whose oldest row is
-waiting for a retry holds its later rows back, and a key another relay is working
-on is skipped (an advisory lock per key). Rows without a key have no order.
+were written — across retries and across relay replicas. A key with a row waiting
+for a retry holds its other rows back, and a key another relay is working on is
+skipped (an advisory lock per key); a claim never delivers a row whose predecessor of
+its key it did not claim too (`CLAIM`). Rows without a key have no order.
 
 Failures: a transient one (timeout, no responders, the log `unavailable`) is retried
 with backoff for as long as it takes; one that can never succeed (the log answered a
@@ -817,6 +818,24 @@ def _answered(row: OutboxRow, error: dict[str, Any]) -> Delivery:
     )
 
 
+def overtaking(claimed: Sequence[asyncpg.Record | Mapping[str, Any]]) -> set[int]:
+    """The ids of claimed rows (in id order) that must not go yet: a row whose predecessor
+    of its key in the claim's snapshot (`follows`) was not claimed with it, as the row
+    before it, and every later row of its key (see `CLAIM`)."""
+    previous: dict[str, int] = {}
+    held: set[int] = set()
+    stopped: set[str] = set()
+    for row in claimed:
+        key = row["ordering_key"]
+        if key is None:
+            continue
+        if key in stopped or row["follows"] not in (None, previous.get(key)):
+            stopped.add(key)
+            held.add(row["id"])
+        previous[key] = row["id"]
+    return held
+
+
 def retry_delay(attempts: int) -> float:
     """Seconds before a failed row is tried again: 0.5, 1, 2, 4… capped at a minute."""
     return float(min(0.5 * 2 ** max(attempts - 1, 0), MAX_BACKOFF_SECONDS))
@@ -827,10 +846,15 @@ _CLAIMABLE = """
 SELECT id FROM outbox o
  WHERE available_at <= now()
    AND (ordering_key IS NULL OR (
-        -- an older row of the key waits for its retry: the key waits with it
-        NOT EXISTS (SELECT 1 FROM outbox older
-                     WHERE older.ordering_key = o.ordering_key AND older.id < o.id
-                       AND older.available_at > now())
+        -- a row of the key waits for its retry: the key waits with it. The keys that
+        -- wait are read once per claim (a hashed subplan), not once per row: asked of
+        -- each row, "an older row of its key waits" read every older row of a key
+        -- whose backlog another relay holds, n²/2 rows (bench/outbox.py). A row older
+        -- than the one waiting (written by a transaction that committed late) waits
+        -- for that retry too, and goes first then.
+        o.ordering_key NOT IN (SELECT waiting.ordering_key FROM outbox waiting
+                                WHERE waiting.available_at > now()
+                                  AND waiting.ordering_key IS NOT NULL)
         -- another relay of this outbox is delivering this key: leave the key to it.
         -- The schema is part of the lock: services sharing a database (one Postgres
         -- under `make up`) use the same session ids as keys in their own outboxes,
@@ -846,9 +870,27 @@ SELECT id FROM outbox o
 # delivered: a row delivered needs no second statement, and one that was not is put back
 # (`OutboxRelay._put_back`) before the commit, so to anyone else the claim is all or
 # nothing. `ARRAY(…)`: the claimable rows are chosen once, before the delete.
+#
+# `follows`: the row before it of its key, as the claim's snapshot shows the outbox. The
+# snapshot is taken when the statement starts, and a key's lock may only be won later in
+# the same statement, once the relay that held it committed: the snapshot then still
+# shows that relay's rows as it found them, not the one it put back for a retry, and the
+# claim would let a later row of the key overtake it. A claimed row whose predecessor
+# was not claimed with it is given back untouched (`overtaking`).
 CLAIM = f"""
 DELETE FROM outbox WHERE id = ANY(ARRAY({_CLAIMABLE}))
-RETURNING id, subject, msg_id, body, headers, attempts, ordering_key, created_at
+RETURNING id, subject, msg_id, body, headers, attempts, ordering_key, created_at,
+          last_error,
+          -- the row before it in outbox_ordering_idx, if of its key: one index step,
+          -- where `ordering_key = … ORDER BY id DESC` lets the planner walk the primary
+          -- key back through every other key's rows since
+          (SELECT before.id FROM (SELECT older.ordering_key, older.id FROM outbox older
+                                   WHERE older.ordering_key IS NOT NULL
+                                     AND (older.ordering_key, older.id)
+                                         < (outbox.ordering_key, outbox.id)
+                                   ORDER BY older.ordering_key DESC, older.id DESC
+                                   LIMIT 1) before
+            WHERE before.ordering_key = outbox.ordering_key) AS follows
 """
 
 # The claim of one key's rows (`OutboxRelay.deliver_now`), `$2` the key.
@@ -933,6 +975,12 @@ class OutboxRelay:
             if not claimed:
                 return 0
             claimed = sorted(claimed, key=lambda r: r["id"])  # RETURNING keeps no order
+            held = overtaking(claimed)
+            if held:
+                await self._give_back(conn, [r for r in claimed if r["id"] in held])
+                claimed = [r for r in claimed if r["id"] not in held]
+                if not claimed:
+                    return len(held)
             rows = [OutboxRow(*r[:7]) for r in claimed]  # CLAIM returns the fields in order
             crash_point("outbox.before_publish")
             results = await self._sender.send(rows)
@@ -943,7 +991,22 @@ class OutboxRelay:
                 elif delivery.error is not None:
                     await self._put_back(conn, row, record["created_at"], delivery.error)
             self.delivered += sum(d.error is None for d in results)
-            return len(rows)
+            return len(rows) + len(held)
+
+    async def _give_back(self, conn: Connection, claimed: Sequence[asyncpg.Record]) -> None:
+        """Undo the claim's delete of rows that may not go yet, as they were: the next
+        claim, with a snapshot of its own, finds them behind their predecessors."""
+        await conn.executemany(
+            """INSERT INTO outbox (id, subject, msg_id, body, headers, attempts, ordering_key,
+                                   created_at, last_error)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)""",
+            [tuple(r[:9]) for r in claimed],
+        )
+        log.info(
+            "outbox_claim_gave_back",
+            rows=len(claimed),
+            keys=sorted({r["ordering_key"] for r in claimed}),
+        )
 
     async def _put_back(
         self, conn: Connection, row: OutboxRow, created_at: datetime, error: str

@@ -77,16 +77,43 @@ async def test_a_key_waits_behind_its_older_row_that_waits_for_a_retry(
 
 
 class AwaitingSender:
-    """Delivers a batch once the test lets it: a relay caught in the middle of a send."""
+    """Delivers a batch once the test lets it: a relay caught in the middle of a send.
+    The rows named in `failing` are not delivered (retried later)."""
 
-    def __init__(self) -> None:
+    def __init__(self, failing: frozenset[str] = frozenset()) -> None:
         self.claimed: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         self.release = asyncio.Event()
+        self._failing = failing
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
         self.claimed.set_result([r.msg_id for r in rows])
         await self.release.wait()
+        return [Delivery("refused") if r.msg_id in self._failing else DELIVERED for r in rows]
+
+
+@dataclass
+class RecordingSender:
+    """Delivers every row, and keeps their ids."""
+
+    sent: list[str] = field(default_factory=list)
+
+    async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        self.sent += [r.msg_id for r in rows]
         return [DELIVERED for _ in rows]
+
+
+async def claim_running(pool: asyncpg.Pool) -> None:
+    """Wait until another session of this database is running a relay's claim."""
+
+    async def running() -> bool:
+        found: bool = await pool.fetchval(
+            """SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                WHERE datname = current_database() AND pid <> pg_backend_pid()
+                  AND state = 'active' AND query ILIKE '%DELETE FROM outbox%')"""
+        )
+        return found
+
+    await wait_for(running, timeout=10, interval=0.001)
 
 
 async def test_a_key_another_relay_is_delivering_is_left_to_it(
@@ -114,6 +141,61 @@ async def test_a_key_another_relay_is_delivering_is_left_to_it(
     assert await other.drain_once() == 1
     assert await published_ids(nc, stream) == ["l-1", "k-2"]
     assert await waiting(pool) == []
+
+
+async def test_a_claim_that_began_before_another_relay_put_a_row_back_does_not_overtake_it(
+    pool: asyncpg.Pool, make_pool: Callable[[], Awaitable[asyncpg.Pool]]
+) -> None:
+    # Relay A delivers k-1 and k-2 and will put k-2 back for a retry. Relay B's claim
+    # starts while A holds the key, and reaches the key's later row k-3 only after A
+    # committed: B's snapshot, taken when its claim started, still shows k-2 as A found
+    # it (ready, not waiting for a retry), and A no longer holds the key's lock.
+    await enqueue_committed(pool, ("s.a", "k-1", "K"), ("s.a", "k-2", "K"))
+    first = AwaitingSender(failing=frozenset({"k-2"}))
+    busy = asyncio.create_task(OutboxRelay(pool, first).drain_once())
+    assert await asyncio.wait_for(first.claimed, 10) == ["k-1", "k-2"]
+    # Rows of a key a third transaction holds, before k-3: B looks at each and passes
+    # on, which keeps its claim running until A has committed.
+    await pool.execute(
+        """INSERT INTO outbox (subject, msg_id, body, ordering_key)
+           SELECT 's.a', 'l-' || n, '{}', 'L' FROM generate_series(1, 20000) n"""
+    )
+    await enqueue_committed(pool, ("s.a", "k-3", "K"))
+    second = RecordingSender()
+    other = OutboxRelay(await make_pool(), second)
+    async with pool.acquire() as holder, holder.transaction():
+        await holder.execute(
+            "SELECT pg_advisory_xact_lock("
+            "hashtextextended('outbox:' || current_schema() || ':L', 0))"
+        )
+        claiming = asyncio.create_task(other.drain_once())
+        await claim_running(pool)
+        first.release.set()
+        await busy
+        # B claimed k-3 (after A committed, or the test missed the moment it is about)
+        assert await claiming == 1
+
+    assert "k-3" not in second.sent  # k-2 waits for its retry: k-3 waits behind it
+    assert [msg_id for msg_id, _ in await waiting(pool) if msg_id.startswith("k")] == [
+        "k-2",
+        "k-3",
+    ]
+
+
+def test_a_claimed_row_whose_predecessor_was_not_claimed_with_it_is_held_with_its_key() -> None:
+    def row(id_: int, key: str | None, follows: int | None) -> dict[str, Any]:
+        return {"id": id_, "ordering_key": key, "follows": follows}
+
+    claimed = [
+        row(30, "K", None),  # the key's oldest row, then the row after it: both go
+        row(40, "K", 30),
+        row(50, "L", 20),  # L's row 20 was not claimed with it: 50 and 70 wait
+        row(60, None, None),  # a row without a key has no order
+        row(70, "L", 50),
+        row(80, "M", None),
+        row(90, "M", 85),  # M's row 85 was not claimed: 90 waits, 80 goes
+    ]
+    assert outbox.overtaking(claimed) == {50, 70, 90}
 
 
 async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
