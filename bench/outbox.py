@@ -33,7 +33,7 @@ import uvloop
 
 from benchkit import Goals, fresh_database, percentile, servers
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
-from servicekit.outbox import CLAIM
+from servicekit.outbox import CLAIM, key_lock
 
 SCHEMA = "bench_outbox"
 BACKLOGS = (0, 5_000, 20_000)
@@ -43,9 +43,7 @@ GROWTH_SLACK = 2.5
 # has not analyzed: the plan that took 33 s), those of the quiet outbox the backlog grew
 # in (how autovacuum leaves a table that is nearly always empty), or the backlog's own.
 STATISTICS = ("never analyzed", "quiet", "analyzed")
-HOLD_KEY = (
-    "SELECT pg_advisory_xact_lock(hashtextextended('outbox:' || current_schema() || ':' || $1, 0))"
-)
+HOLD_KEY = f"SELECT pg_advisory_xact_lock({key_lock('$1')})"
 
 
 async def fill(pool: asyncpg.Pool, backlog: int, statistics: str) -> None:
@@ -53,12 +51,18 @@ async def fill(pool: asyncpg.Pool, backlog: int, statistics: str) -> None:
     `backlog` rows of the busy session; its planner statistics as `STATISTICS` names."""
     await pool.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
     await migrate(pool, SCHEMA, [KIT_MIGRATIONS])
-    insert = """INSERT INTO outbox (subject, msg_id, body, ordering_key)
-                SELECT 'evt', $1 || n, '{}', $2 || n FROM generate_series(1, $3) n"""
-    await pool.execute(insert, "other-", "other-", OTHER_SESSIONS)
+    await pool.execute(
+        """INSERT INTO outbox (subject, msg_id, body, ordering_key)
+           SELECT 'evt', 'other-' || n, '{}', 'other-' || n FROM generate_series(1, $1) n""",
+        OTHER_SESSIONS,
+    )
     if statistics == "quiet":
         await pool.execute("ANALYZE outbox")
-    await pool.execute(insert.replace("$2 || n", "$2"), "busy-", "busy", backlog)
+    await pool.execute(
+        """INSERT INTO outbox (subject, msg_id, body, ordering_key)
+           SELECT 'evt', 'busy-' || n, '{}', 'busy' FROM generate_series(1, $1) n""",
+        backlog,
+    )
     if statistics == "analyzed":
         await pool.execute("ANALYZE outbox")
 

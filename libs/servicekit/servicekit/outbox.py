@@ -841,8 +841,14 @@ def retry_delay(attempts: int) -> float:
     return float(min(0.5 * 2 ** max(attempts - 1, 0), MAX_BACKOFF_SECONDS))
 
 
+def key_lock(key: str) -> str:
+    """The id of the advisory lock a relay holds on an ordering key while it delivers the
+    key's rows, as SQL (the argument of `pg_*advisory_xact_lock`); `key` the SQL of the key."""
+    return f"hashtextextended('outbox:' || current_schema() || ':' || {key}, 0)"
+
+
 # The rows a relay may deliver now, in order: `$1` how many at most.
-_CLAIMABLE = """
+_CLAIMABLE = f"""
 SELECT id FROM outbox o
  WHERE available_at <= now()
    AND (ordering_key IS NULL OR (
@@ -859,8 +865,7 @@ SELECT id FROM outbox o
         -- The schema is part of the lock: services sharing a database (one Postgres
         -- under `make up`) use the same session ids as keys in their own outboxes,
         -- and must not hold each other back.
-        AND pg_try_advisory_xact_lock(
-            hashtextextended('outbox:' || current_schema() || ':' || o.ordering_key, 0))))
+        AND pg_try_advisory_xact_lock({key_lock("o.ordering_key")})))
  ORDER BY id
  LIMIT $1
  FOR UPDATE SKIP LOCKED

@@ -164,10 +164,8 @@ async def test_a_claim_that_began_before_another_relay_put_a_row_back_does_not_o
     second = RecordingSender()
     other = OutboxRelay(await make_pool(), second)
     async with pool.acquire() as holder, holder.transaction():
-        await holder.execute(
-            "SELECT pg_advisory_xact_lock("
-            "hashtextextended('outbox:' || current_schema() || ':L', 0))"
-        )
+        lock_l = outbox.key_lock("'L'")
+        await holder.execute(f"SELECT pg_advisory_xact_lock({lock_l})")
         claiming = asyncio.create_task(other.drain_once())
         await claim_running(pool)
         first.release.set()
