@@ -171,12 +171,15 @@ async def check_streams(
 
 @dataclass(frozen=True)
 class Bucket:
-    """A KV bucket: nats-py's `KeyValue` (`kv`) for reads and writes, and what it lacks,
-    so a caller never spells the bucket's stream or subjects itself."""
+    """A KV bucket: its reads and writes, nats-py's `KeyValue` (`kv`) where it has them and
+    what it lacks beside them, so a caller never spells the bucket's stream or subjects
+    itself. Every write goes through a method here: a test stands in for a cluster's
+    answers by overriding them."""
 
     js: JetStreamContext
     name: str
     kv: KeyValue
+    ttl: float  # seconds a key lives unless written again
 
     @classmethod
     async def open(cls, js: JetStreamContext, config: KeyValueConfig) -> Bucket:
@@ -190,7 +193,7 @@ class Bucket:
             info.config.duplicate_window = min(config.ttl or 120.0, 120.0)
             await js.update_stream(info.config)
             kv = await js.key_value(config.bucket)
-        return cls(js, config.bucket, kv)
+        return cls(js, config.bucket, kv, config.ttl or 0.0)
 
     async def latest(self, key: str) -> KeyValue.Entry | None:
         """The key as the stream's leader has it; None when absent, deleted or purged.
@@ -208,6 +211,15 @@ class Bucket:
         if (msg.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE):
             return None
         return KeyValue.Entry(self.name, key, msg.data, msg.seq, None, None, None)
+
+    async def create(self, key: str, value: bytes) -> int:
+        """Write `key` if it is absent (deleted or expired counts as absent); its revision.
+        Refused with `KeyWrongLastSequenceError` while it is there (`KeyValue.create`)."""
+        return await self.kv.create(key, value)
+
+    async def put(self, key: str, value: bytes) -> int:
+        """Write `key` whatever it holds; its new revision (`KeyValue.put`)."""
+        return await self.kv.put(key, value)
 
     async def update(self, key: str, value: bytes, last: int) -> int:
         """Write `key` if its revision is still `last` (`KeyValue.update`); its new revision.

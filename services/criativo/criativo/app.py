@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from criativo.actors import Actors
 from criativo.handlers import SERVICE, CriativoSettings, inputs_spec, svc
-from criativo.lease import SessionLeases
+from criativo.lease import open_leases
 from criativo.offers import OfferSender
 from criativo.session import SessionWork
 from criativo.turns import Turns
@@ -19,8 +19,9 @@ async def main(settings: CriativoSettings | None = None) -> None:
     """Run the session actors, fed by the log, until stopped."""
     settings = settings or CriativoSettings()
     async with svc.open(settings) as rt:
-        leases = SessionLeases(rt.js, settings.instance_id, settings.lease_ttl_seconds)
-        await leases.open(settings.stream_replicas)
+        leases = await open_leases(
+            rt.js, settings.instance_id, settings.lease_ttl_seconds, settings.stream_replicas
+        )
         turns = Turns(
             MeteringClient(
                 rt.nc,

@@ -50,35 +50,27 @@ RELEASE_ATTEMPTS = 5
 REMEMBERED_RELEASES = 10_000
 
 
-class SessionLeases:
-    """Leases on sessions, held by this instance."""
+def bucket_config(ttl_seconds: float, replicas: int = 1) -> KeyValueConfig:
+    """The leases' bucket: a lease lives `ttl_seconds` unless renewed."""
+    return KeyValueConfig(bucket=BUCKET, ttl=ttl_seconds, history=1, replicas=replicas)
 
-    def __init__(
-        self,
-        js: JetStreamContext,
-        instance: str,
-        ttl_seconds: float,
-        bucket: type[Bucket] = Bucket,
-    ) -> None:
-        """`bucket`: the class of the bucket opened (a test gives one that answers as a
-        cluster did)."""
-        self._js = js
+
+async def open_leases(
+    js: JetStreamContext, instance: str, ttl_seconds: float, replicas: int = 1
+) -> SessionLeases:
+    """This instance's leases, the bucket created or its TTL brought to ours (replicas
+    share one setting)."""
+    return SessionLeases(await Bucket.open(js, bucket_config(ttl_seconds, replicas)), instance)
+
+
+class SessionLeases:
+    """Leases on sessions, held by this instance, in `bucket` (`open_leases`)."""
+
+    def __init__(self, bucket: Bucket, instance: str) -> None:
+        self._bucket = bucket
         self._instance = instance.encode()
-        self._ttl = ttl_seconds
-        self._bucket_class = bucket
-        self._bucket: Bucket | None = None
         # By session key: the revision of the delete marker this replica's release left.
         self._released: dict[str, int] = {}
-
-    async def open(self, replicas: int = 1) -> None:
-        """Create the bucket, or bring its TTL to ours (replicas share one setting)."""
-        config = KeyValueConfig(bucket=BUCKET, ttl=self._ttl, history=1, replicas=replicas)
-        self._bucket = await self._bucket_class.open(self._js, config)
-
-    @property
-    def _opened(self) -> Bucket:
-        assert self._bucket is not None, "open() first"
-        return self._bucket
 
     def may_resume(self, session_id: UUID) -> bool:
         """Whether this replica released the session last it knows, so its next `hold` may
@@ -91,11 +83,11 @@ class SessionLeases:
 
         Yields whether the lease was resumed: taken from this replica's own release, with
         no other holder in between."""
-        bucket, key = self._opened, str(session_id)
-        revision, resumed = await self._acquire(bucket, key)
+        key = str(session_id)
+        revision, resumed = await self._acquire(key)
         state = {"revision": revision}
         done = asyncio.Event()
-        renewer = asyncio.create_task(self._renew(bucket, key, state, done))
+        renewer = asyncio.create_task(self._renew(key, state, done))
         try:
             yield resumed
         finally:
@@ -171,27 +163,27 @@ class SessionLeases:
     async def _entry(self, key: str) -> KeyValue.Entry | None:
         """The key as the bucket's leader has it now, what a refused write was checked
         against (`Bucket.latest`); None when it is absent, deleted or expired."""
-        return await self._opened.latest(key)
+        return await self._bucket.latest(key)
 
     async def _release(self, key: str, revision: int | None) -> None:
         """Delete the key if it is still at our `revision` (what `kv.delete(key, last=…)`
         writes; None: whatever it is at), remembering the marker's revision, which
         `kv.delete` does not return."""
-        marker = await self._opened.delete(key, last=revision)
+        marker = await self._bucket.delete(key, last=revision)
         self._released.pop(key, None)
         self._released[key] = marker
         if len(self._released) > REMEMBERED_RELEASES:
             del self._released[next(iter(self._released))]
 
-    async def _acquire(self, bucket: Bucket, key: str) -> tuple[int, bool]:
+    async def _acquire(self, key: str) -> tuple[int, bool]:
         """The lease's revision, and whether it was resumed from our own release."""
         released = self._released.pop(key, None)
         if released is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):  # written since: as below
-                return await bucket.update(key, self._instance, last=released), True
+                return await self._bucket.update(key, self._instance, last=released), True
         while True:
             try:
-                return await bucket.kv.create(key, self._instance), False
+                return await self._bucket.create(key, self._instance), False
             except KeyWrongLastSequenceError:
                 await asyncio.sleep(RETRY_SECONDS)  # held elsewhere: until released or expired
             except KeyNotFoundError:
@@ -203,13 +195,13 @@ class SessionLeases:
                 # waited out the consumer's backoff, minutes.
                 await asyncio.sleep(RETRY_SECONDS)
 
-    async def _renewed(self, bucket: Bucket, key: str, revision: int) -> int:
+    async def _renewed(self, key: str, revision: int) -> int:
         """The lease's revision once renewed from `revision`. A renewal whose write landed
         but whose answer was lost (a node restarting, a timeout under load) leaves the key
         past `revision` in this replica's name, which only this replica writes: still its
         lease, at the key's revision. Anyone else's name, or no key, is a lease lost."""
         try:
-            return await bucket.update(key, self._instance, last=revision)
+            return await self._bucket.update(key, self._instance, last=revision)
         except KeyWrongLastSequenceError:
             entry = await self._entry(key)
             if entry is None or entry.value != self._instance or entry.revision is None:
@@ -220,22 +212,20 @@ class SessionLeases:
                 # cluster regained quorum; see `_release_soon`). Taking the revision as
                 # renewed would write nothing, and the TTL would run out under the turn.
                 # No other replica can write the key while it is there: renew it as is.
-                renewed = await bucket.kv.put(key, self._instance)
+                renewed = await self._bucket.put(key, self._instance)
                 log.info("lease_renewed_unconditionally", session_id=key, revision=renewed)
                 return renewed
             log.info("lease_renewal_found_applied", session_id=key, revision=entry.revision)
             return entry.revision
 
-    async def _renew(
-        self, bucket: Bucket, key: str, state: dict[str, int], done: asyncio.Event
-    ) -> None:
-        wait = self._ttl / 3
+    async def _renew(self, key: str, state: dict[str, int], done: asyncio.Event) -> None:
+        wait = self._bucket.ttl / 3
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), wait)
                 return
             try:
-                state["revision"] = await self._renewed(bucket, key, state["revision"])
+                state["revision"] = await self._renewed(key, state["revision"])
             except Exception as exc:
                 # A cluster node down (no stream response, a 503, a timeout) is not a lease
                 # taken: ask again soon, while the lease still has time to live. Giving up
@@ -247,6 +237,6 @@ class SessionLeases:
                     continue
                 log.error("lease_lost", session_id=key, error=repr(exc))
                 return
-            if wait != self._ttl / 3:  # back after an outage
+            if wait != self._bucket.ttl / 3:  # back after an outage
                 log.info("lease_renewed", session_id=key, revision=state["revision"])
-            wait = self._ttl / 3
+            wait = self._bucket.ttl / 3

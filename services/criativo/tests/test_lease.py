@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from structlog.testing import capture_logs
 
-from criativo.lease import BUCKET, SessionLeases
+from criativo.lease import BUCKET, SessionLeases, bucket_config, open_leases
 from servicekit.bus import Bucket, server_urls
 from servicekit.embedded import start_nats_cluster
 from servicekit.testing import wait_for
@@ -29,8 +29,7 @@ async def holder(nc: Client, session: uuid.UUID) -> bytes:
 async def test_a_replica_takes_a_session_it_released_again_without_reading_the_key(
     nc: Client,
 ) -> None:
-    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30)
-    await leases.open()
+    leases = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
     session = uuid.uuid4()
     reads: list[str] = []
 
@@ -53,10 +52,8 @@ async def test_a_replica_takes_a_session_it_released_again_without_reading_the_k
 async def test_a_session_another_replica_held_since_is_taken_from_the_key_as_it_is(
     nc: Client,
 ) -> None:
-    a = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30)
-    b = SessionLeases(nc.jetstream(), "replica-b", ttl_seconds=30)
-    await a.open()
-    await b.open()
+    a = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
+    b = await open_leases(nc.jetstream(), "replica-b", ttl_seconds=30)
     session = uuid.uuid4()
     async with a.hold(session):
         pass
@@ -71,8 +68,7 @@ async def test_a_renewal_that_landed_but_went_unanswered_keeps_the_lease(nc: Cli
     holder's revision, in the holder's name: the next renewal finds it so and keeps the
     lease (it was taken for lost, freeing the session under a running turn), and the
     release still deletes it."""
-    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=3)
-    await leases.open()
+    leases = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=3)
     session = uuid.uuid4()
     kv = await nc.jetstream().key_value(BUCKET)
     with capture_logs() as logged:
@@ -100,8 +96,7 @@ async def test_a_release_after_a_write_that_went_unanswered_still_frees_the_sess
     """The key moved past the holder's revision by its own write whose answer was lost (a
     renewal in its name, or the release itself): the release frees the session all the
     same, and says nothing failed."""
-    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30)
-    await leases.open()
+    leases = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
     kv = await nc.jetstream().key_value(BUCKET)
     renewed, released = uuid.uuid4(), uuid.uuid4()
     with capture_logs() as logged:
@@ -135,8 +130,9 @@ async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_uncondit
     """Seen in CI after a cluster regained quorum: the release was refused on every attempt
     and the lease was left for its TTL to free, holding the session's next input."""
     monkeypatch.setattr("criativo.lease.RETRY_SECONDS", 0.001)
-    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30, bucket=InFlightRefusals)
-    await leases.open()
+    leases = SessionLeases(
+        await InFlightRefusals.open(nc.jetstream(), bucket_config(30)), "replica-a"
+    )
     session = uuid.uuid4()
     with capture_logs() as logged:
         async with leases.hold(session):
@@ -147,8 +143,7 @@ async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_uncondit
     assert "lease_released_unconditionally" in events and "lease_release_failed" not in events
     [freed] = [e for e in logged if e["event"] == "lease_released_unconditionally"]
     assert "err_code=10164" in freed["last_refusal"]
-    other = SessionLeases(nc.jetstream(), "replica-b", ttl_seconds=30)
-    await other.open()
+    other = await open_leases(nc.jetstream(), "replica-b", ttl_seconds=30)
     async with other.hold(session):
         assert await holder(nc, session) == b"replica-b"  # free for the next replica
 
@@ -159,8 +154,9 @@ async def test_a_renewal_refused_while_the_key_is_still_ours_renews_it_unconditi
     """Taking a refused renewal for one that landed (the key is ours, at the revision we
     left it) wrote nothing: the TTL ran on, and the lease would expire under the turn."""
     ttl = 1.5  # renewed every 0.5 s: a second to spare on a loaded machine
-    leases = SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=ttl, bucket=InFlightRefusals)
-    await leases.open()
+    leases = SessionLeases(
+        await InFlightRefusals.open(nc.jetstream(), bucket_config(ttl)), "replica-a"
+    )
     try:
         session = uuid.uuid4()
         with capture_logs() as logged:
@@ -171,7 +167,7 @@ async def test_a_renewal_refused_while_the_key_is_still_ours_renews_it_unconditi
         assert len(renewals) >= 3
         assert not [e for e in logged if e["event"] in ("lease_lost", "lease_release_failed")]
     finally:  # the bucket's TTL is shared: back to the other tests'
-        await SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30).open()
+        await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
 
 
 async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() -> None:
@@ -183,16 +179,15 @@ async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() 
         cluster = start_nats_cluster(Path(folder), 3)
         nc = await nats.connect(server_urls(cluster.url), reconnect_time_wait=0.2)
         try:
-            leases = SessionLeases(nc.jetstream(timeout=2), "replica-a", ttl_seconds=30)
 
-            async def opened() -> bool:
+            async def opened() -> SessionLeases | None:
                 try:
-                    await leases.open(replicas=3)
+                    js = nc.jetstream(timeout=2)
+                    return await open_leases(js, "replica-a", ttl_seconds=30, replicas=3)
                 except (nats.errors.Error, TimeoutError):
-                    return False  # the cluster is still electing its leaders
-                return True
+                    return None  # the cluster is still electing its leaders
 
-            await wait_for(opened, timeout=60, what="the R3 lease bucket")
+            leases = await wait_for(opened, timeout=60, what="the R3 lease bucket")
             with capture_logs() as logged:
 
                 def said(event: str) -> bool:  # or gave the lease up

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from nats.aio.client import Client
 
 from contracts.events import AgentResponse, Event, EventType
-from criativo.lease import SessionLeases
+from criativo.lease import SessionLeases, bucket_config, open_leases
 from criativo.session import SessionWork
 from criativo.turns import RecordRule, TurnOutcome, Turns
 from domain.criativo import Conversation
 from harness import MeteringClient
+from servicekit.bus import Bucket
 from servicekit.sessionlog import SessionLogClient
 
 from .conftest import Driver
@@ -80,7 +81,6 @@ class Replica:
 
 
 async def replica(driver: Driver, nc: Client, leases: SessionLeases) -> Replica:
-    await leases.open()
     log, turns = WatchedLog(nc), CountedTurns(nc)
     work = SessionWork(nc, driver.db, log, leases, turns, crash_limit=3)
     return Replica(work, log, leases, turns)
@@ -96,11 +96,10 @@ async def test_a_read_taken_before_another_replica_held_the_session_is_read_agai
     driver: Driver, nc: Client
 ) -> None:
     session = await driver.open()
-    a_leases = LateLeases(nc.jetstream(), "replica-a", ttl_seconds=30)
+    a_leases = LateLeases(await Bucket.open(nc.jetstream(), bucket_config(30)), "replica-a")
     a = await replica(driver, nc, a_leases)
     log, turns = a.log, a.turns
-    b_leases = SessionLeases(nc.jetstream(), "replica-b", ttl_seconds=30)
-    await b_leases.open()
+    b_leases = await open_leases(nc.jetstream(), "replica-b", ttl_seconds=30)
     conv = await a.work.catch_up(Conversation(session))
     async with a_leases.hold(session) as resumed:  # A released it last: it may resume
         assert not resumed
@@ -133,7 +132,7 @@ async def test_a_resumed_lease_answers_on_the_one_read_that_went_out_with_it(
     driver: Driver, nc: Client
 ) -> None:
     session = await driver.open()
-    a = await replica(driver, nc, SessionLeases(nc.jetstream(), "replica-a", ttl_seconds=30))
+    a = await replica(driver, nc, await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30))
     conv = await a.work.catch_up(Conversation(session))
     first = await message_event(driver, session, "um")
     conv = await a.work.handle(conv, first, deliveries=1)  # takes the lease anew

@@ -178,6 +178,9 @@ class DeltaPublisher:
     _held: list[str] = field(default_factory=list)
     _held_at: float = 0.0
     _publishing: asyncio.Task[None] | None = None
+    # Looked up once, where the publisher is made (in the turn's task), not per piece:
+    # `asyncio.get_running_loop()` makes a getpid() system call each time (gateway.ws).
+    _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
 
     @property
     def text(self) -> str:
@@ -197,7 +200,7 @@ class DeltaPublisher:
             self._held.append(text)
             return
         self._sent_this_turn = True
-        asyncio.get_running_loop().call_soon(self._next_turn)
+        self._loop.call_soon(self._next_turn)
         await self._publish(text, emitted_at)
 
     async def flush(self) -> None:
