@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +203,26 @@ def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
             reaped = proc_stat(pid)[13:15]
             seconds[pid] = ran + (int(reaped[0]) + int(reaped[1])) / TICK
     return seconds
+
+
+def wakeups(pids: Iterable[int]) -> Counter[str]:
+    """The read and write system calls the processes made so far, and their threads'
+    context switches: on a stream that comes one small message at a time, a server's CPU
+    per message is mostly these (a wake-up to read it, one to write it on), not its work on
+    the message (the NATS server's Go profile under bench/gateway.py: 60 % syscalls,
+    futexes and the scheduler)."""
+    counts: Counter[str] = Counter()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+            counts["reads"] += int(io["syscr"])
+            counts["writes"] += int(io["syscw"])
+            for status in Path(f"/proc/{pid}/task").glob("*/status"):
+                for line in status.read_text().splitlines():
+                    key, _, value = line.partition(":")
+                    if key.endswith("ctxt_switches"):  # voluntary and not
+                        counts["context switches"] += int(value)
+    return counts
 
 
 def machine_busy_seconds() -> float:

@@ -28,9 +28,12 @@ behind the message: the client gets the message first).
 Goals (issue 12), checked at every level; the exit status is 1 when one is missed:
 per-token p99 ≤ 50 ms; ≤ 0.15 ms CPU per token on the gateway path (the processes a token
 crosses after metering published it: NATS and the gateway; the table shows every
-process); ≤ 40 KiB RSS per joined connection. `--profile DIR` records the gateway with
-py-spy during the turns (DIR/gateway-<clients>.txt, collapsed stacks) and prints its top
-frames; the sampler takes CPU of its own, so the figures of such a run are not the goal's.
+process); ≤ 40 KiB RSS per joined connection. With an embedded NATS server it also prints
+the server's read and write system calls and context switches per token: its CPU per
+token is mostly those wake-ups, one small message at a time, not its work on a message.
+`--profile DIR` records the gateway with py-spy during the turns (DIR/gateway-<clients>.txt,
+collapsed stacks) and prints its top frames; the sampler takes CPU of its own, so the
+figures of such a run are not the goal's.
 
     .venv/bin/python bench/gateway.py [--clients 100,500] [--tokens 50] [--delay-ms 20]
                                       [--profile DIR] [--json]
@@ -242,10 +245,12 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     async with contextlib.AsyncExitStack() as spying:
         if profile is not None:
             spying.enter_context(bk.py_spy(gw.pid, profile / f"gateway-{n}.txt"))
+        woke = bk.wakeups(groups.get("nats", []))
         await meter.start()
         started = time.perf_counter()
         await asyncio.gather(*(chat(k, c) for k, c in enumerate(clients)))
         usage = await meter.stop(n * tokens, time.perf_counter() - started)
+        nats_woke = bk.wakeups(groups.get("nats", [])) - woke
     await sub.unsubscribe()
     for tapped in [*reads, *events]:
         await tapped.unsubscribe()
@@ -271,6 +276,7 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
             "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
             "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())},
+            "nats_per_token": {k: v / (n * tokens) for k, v in nats_woke.items()},
             "messages_read": sum(c.message in asked for c in clients)}  # fmt: skip
 
 
@@ -347,7 +353,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
                   "rss_kib_per_connection": rss_per_connection(r),
                   "cpu_ms_per_token": r["cpu"].ms_per_op,
                   "gateway_path_cpu_ms_per_token": path_cpu_ms(r),
-                  "log_reads_per_turn": r["log_reads_per_turn"], "missed": missed(r)}  # fmt: skip
+                  "log_reads_per_turn": r["log_reads_per_turn"],
+                  "nats_per_token": r["nats_per_token"], "missed": missed(r)}  # fmt: skip
 
 
 async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | None,
@@ -407,6 +414,9 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
             print("\n".join([f"{r['clients']} clients, CPU saturation:", *saturation(r)]))
             print(f"  gateway path ({' + '.join(GATEWAY_PATH)}) at {r['clients']} clients: "
                   f"{path_cpu_ms(r):.3f} ms CPU per token")  # fmt: skip
+            if r["nats_per_token"]:  # an embedded server: its /proc is ours to read
+                woke = ", ".join(f"{v:.2f} {k}" for k, v in r["nats_per_token"].items())
+                print(f"  the NATS server, per token: {woke}")
         if profile is not None:
             for n in levels:
                 print(f"py-spy, the gateway at {n} clients ({profile / f'gateway-{n}.txt'}):")
