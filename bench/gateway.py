@@ -29,8 +29,9 @@ Goals (issue 12), checked at every level; the exit status is 1 when one is misse
 per-token p99 ≤ 50 ms; ≤ 0.15 ms CPU per token on the gateway path (the processes a token
 crosses after metering published it: NATS and the gateway; the table shows every
 process); ≤ 40 KiB RSS per joined connection. With an embedded NATS server it also prints
-the server's read and write system calls and context switches per token: its CPU per
-token is mostly those wake-ups, one small message at a time, not its work on a message.
+the server's CPU, read and write system calls and context switches per delta of the raw
+hop and per token of the turns: its CPU per token is mostly those wake-ups, one small
+message at a time, not its work on a message.
 `--profile DIR` records the gateway with py-spy during the turns (DIR/gateway-<clients>.txt,
 collapsed stacks) and prints its top frames; the sampler takes CPU of its own, so the
 figures of such a run are not the goal's.
@@ -160,7 +161,9 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     base.expected = tokens
     sub = await nc.subscribe(f"{bench_metering.SUBJECT_ROOT}.*", cb=base.on_msg)
     await nc.flush()
+    hop_before = nats_work(groups)
     await bench_metering.baseline(env["NATS_URL"], base, n, n, tokens, delay_s)
+    nats_per_delta = per_op(hop_before, nats_work(groups), n * tokens)
     await sub.unsubscribe()
 
     port, token = free_port(), mint_token()
@@ -245,12 +248,12 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     async with contextlib.AsyncExitStack() as spying:
         if profile is not None:
             spying.enter_context(bk.py_spy(gw.pid, profile / f"gateway-{n}.txt"))
-        woke = bk.wakeups(groups.get("nats", []))
+        chat_before = nats_work(groups)
         await meter.start()
         started = time.perf_counter()
         await asyncio.gather(*(chat(k, c) for k, c in enumerate(clients)))
         usage = await meter.stop(n * tokens, time.perf_counter() - started)
-        nats_woke = bk.wakeups(groups.get("nats", [])) - woke
+        nats_per_token = per_op(chat_before, nats_work(groups), n * tokens)
     await sub.unsubscribe()
     for tapped in [*reads, *events]:
         await tapped.unsubscribe()
@@ -276,7 +279,7 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
             "unfinished": unfinished, "refused": refused,
             "rss_kib": [rss_before, rss_joined, rss_after], "cpu": usage,
             "log_reads_per_turn": {k: v / n for k, v in sorted(log_reads.items())},
-            "nats_per_token": {k: v / (n * tokens) for k, v in nats_woke.items()},
+            "nats_per_delta_of_hop": nats_per_delta, "nats_per_token": nats_per_token,
             "messages_read": sum(c.message in asked for c in clients)}  # fmt: skip
 
 
@@ -322,6 +325,18 @@ def saturation(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def nats_work(groups: dict[str, list[int]]) -> dict[str, float]:
+    """The embedded NATS server's CPU ms and wake-ups so far; nothing for a server not ours."""
+    pids = groups.get("nats", [])
+    if not pids:
+        return {}
+    return {"ms CPU": sum(bk.cpu_seconds(pids).values()) * 1000, **bk.wakeups(pids)}
+
+
+def per_op(before: dict[str, float], after: dict[str, float], ops: int) -> dict[str, float]:
+    return {k: (after[k] - before[k]) / ops for k in before}
+
+
 def path_cpu_ms(r: dict[str, Any]) -> float:
     """CPU ms per token of the processes on the gateway path."""
     return float(sum(r["cpu"].ms_per_op.get(k, 0.0) for k in GATEWAY_PATH))
@@ -354,6 +369,7 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
                   "cpu_ms_per_token": r["cpu"].ms_per_op,
                   "gateway_path_cpu_ms_per_token": path_cpu_ms(r),
                   "log_reads_per_turn": r["log_reads_per_turn"],
+                  "nats_per_delta_of_hop": r["nats_per_delta_of_hop"],
                   "nats_per_token": r["nats_per_token"], "missed": missed(r)}  # fmt: skip
 
 
@@ -415,8 +431,10 @@ async def run(levels: list[int], tokens: int, delay_ms: float, profile: Path | N
             print(f"  gateway path ({' + '.join(GATEWAY_PATH)}) at {r['clients']} clients: "
                   f"{path_cpu_ms(r):.3f} ms CPU per token")  # fmt: skip
             if r["nats_per_token"]:  # an embedded server: its /proc is ours to read
-                woke = ", ".join(f"{v:.2f} {k}" for k, v in r["nats_per_token"].items())
-                print(f"  the NATS server, per token: {woke}")
+                for what, work in [("per delta of the raw hop", r["nats_per_delta_of_hop"]),
+                                   ("per token of the turns", r["nats_per_token"])]:  # fmt: skip
+                    tally = ", ".join(f"{v:.3f} {k}" for k, v in work.items())
+                    print(f"  the NATS server {what}: {tally}")
         if profile is not None:
             for n in levels:
                 print(f"py-spy, the gateway at {n} clients ({profile / f'gateway-{n}.txt'}):")
