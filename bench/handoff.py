@@ -358,7 +358,7 @@ def report(rows: list[Row], result: dict[str, Any], load: tuple[str, str]) -> tu
     ]
     met = all(ratio(r.rate, by_name[r.baseline or ""].rate) >= GOAL_RATIO for r in goal_rows)
     summary = [
-        f"{r.scenario} {r.rate:.0f}/s = {ratio(r.rate, by_name[r.baseline].rate):.2f}× "
+        f"{r.scenario} {r.rate:.0f}/s = {ratio(r.rate, by_name[r.baseline].rate):.3f}× "
         f"{r.baseline} (p99 {r.p99_ms:.1f} ms)"
         for r in rows
         if r.baseline is not None
