@@ -32,12 +32,16 @@ from contracts.metering import (
     BindingsReply,
     CancelReply,
     CancelTurn,
+    LimitsSetReply,
+    LimitsStatus,
+    LimitsStatusRequest,
     ListBindings,
     LlmStream,
     LlmTurn,
     ResolveBinding,
     ResolvedBinding,
     SetBinding,
+    SetLimits,
     TurnReply,
     UsageSummaryReply,
     UsageSummaryRequest,
@@ -123,6 +127,8 @@ BINDINGS_SET = Command(subjects.BINDINGS_SET, "metering", SetBinding, BindingSet
 BINDINGS_LIST = Command(subjects.BINDINGS_LIST, "metering", ListBindings, BindingsReply)
 BINDINGS_RESOLVE = Command(subjects.BINDINGS_RESOLVE, "metering", ResolveBinding, ResolvedBinding)
 USAGE_SUMMARY = Command(subjects.USAGE_SUMMARY, "metering", UsageSummaryRequest, UsageSummaryReply)
+LIMITS_SET = Command(subjects.LIMITS_SET, "metering", SetLimits, LimitsSetReply)
+LIMITS_STATUS = Command(subjects.LIMITS_STATUS, "metering", LimitsStatusRequest, LimitsStatus)
 PSYCHOLOGIST_REANALYZE = Command(
     subjects.PSYCHOLOGIST_REANALYZE, "psychologist", Reanalyze, AnalysisOutcome
 )
@@ -161,6 +167,8 @@ COMMANDS: list[Command[Any, Any]] = [
     BINDINGS_LIST,
     BINDINGS_RESOLVE,
     USAGE_SUMMARY,
+    LIMITS_SET,
+    LIMITS_STATUS,
     PSYCHOLOGIST_REANALYZE,
     HYPOTHESES_ACCEPT,
     HYPOTHESES_DISMISS,
@@ -202,6 +210,10 @@ class Access:
     # its owner may create it and set its TTL: losing one costs nothing, unlike a stream.
     buckets: tuple[str, ...] = ()
 
+
+# What decides who may spend: an operator's to change (the `ops` user, the CLI), never a
+# service's on a person's behalf (a person's token reaches the bus only through the gateway).
+OPERATOR_COMMANDS = (subjects.BINDINGS_SET, subjects.LIMITS_SET)
 
 EVERY_EVENT = tuple(subjects.event_filter(t) for t in EventType)
 EVERY_DELTA = (subjects.delta_subject("*", "*"), subjects.done_subject("*", "*"))
@@ -257,6 +269,8 @@ ACCESS = [
             subjects.SESSIONS_GET,
             subjects.LLM_TURN,
             subjects.LLM_STREAM,
+            # a reanalysis over a limit is refused, not queued to fail later
+            subjects.LIMITS_STATUS,
         ),
         durables=(PSYCHOLOGIST_CLOSINGS,),
     ),
@@ -302,8 +316,8 @@ ACCESS = [
             subjects.HYPOTHESES_LIST,
             subjects.PSYCHOLOGIST_REANALYZE,
             subjects.BINDINGS_LIST,
-            subjects.BINDINGS_SET,
             subjects.USAGE_SUMMARY,
+            subjects.LIMITS_STATUS,
             subjects.LLM_CANCEL,
         ),
         subscribes=(SESSION_FEED,),

@@ -113,6 +113,12 @@ Actor = Annotated[
 ]
 
 
+def person_of(actor: str) -> str | None:
+    """The person an actor is (`user:<id>` -> `<id>`), or None for an agent or the system."""
+    kind, _, name = actor.partition(":")
+    return name if kind == "user" and name else None
+
+
 class Message(BaseModel):
     """Base of every wire model: unknown fields are an error, not silently dropped."""
 
@@ -155,6 +161,9 @@ class ErrorCode(StrEnum):
     UNKNOWN_MODEL = "unknown_model"
     TURN_IN_PROGRESS = "turn_in_progress"
     TURN_ALREADY_FAILED = "turn_already_failed"
+    # a turn id already used by another request (another run, project or prompt)
+    TURN_ID_REUSED = "turn_id_reused"
+    INVALID_LIMITS = "invalid_limits"
     PROVIDER_ERROR = "provider_error"
     PROVIDER_OVERLOADED = "provider_overloaded"
     # a service the turn needs (metering, the log) stayed unreachable for longer than a

@@ -34,6 +34,10 @@ DeltaSubject = Annotated[
     TEXT_CHECK,
 ]
 
+# The person a call is made for: the `sub` of their token, the `<id>` of their
+# `user:<id>` actor. Their limits apply to it, beside the project's.
+Person = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.@-]{1,128}$"), TEXT_CHECK]
+
 # A streaming turn's beat goes to a subject of its own caller's choosing, within
 # `metering.alive.*` only (contracts.subjects.alive_subject).
 AliveSubject = Annotated[
@@ -109,6 +113,9 @@ class LlmTurn(Message):
     max_tokens: Int64 = Field(ge=1, le=MAX_OUTPUT_TOKENS)
     # The run's whole budget in µUSD; the first turn of a run that names it sets it.
     budget_micros: Int64 | None = Field(default=None, ge=0)
+    # Whom the call is for (a person's message, readiness or reanalysis); their limits
+    # apply beside the project's. None: the project's limits alone.
+    person: Person | None = None
 
     @model_validator(mode="after")
     def _starts_with_user(self) -> LlmTurn:
@@ -289,3 +296,67 @@ class UsageSummaryReply(Message):
     groups: list[UsageGroup]
     total_cost_micros: int
     total_calls: int
+
+
+LimitScope = Literal["project", "person"]
+LimitMetric = Literal["micros", "requests", "tokens"]
+LimitWindow = Literal["minute", "day", "month"]
+# A project id, a person, or `*`: the default of every project (person) without its own.
+LimitName = Annotated[str, StringConstraints(pattern=r"^(\*|[A-Za-z0-9_.@-]{1,128})$"), TEXT_CHECK]
+DEFAULT_LIMITS = "*"
+
+
+class SpendLimits(Message):
+    """What a project or a person may spend and how fast; windows are UTC and reset at
+    their start. On a project's or person's own row, None means "as the default"; on the
+    default (`*`), None means no limit."""
+
+    micros_per_day: Int64 | None = Field(default=None, ge=0)
+    micros_per_month: Int64 | None = Field(default=None, ge=0)
+    requests_per_minute: Int64 | None = Field(default=None, ge=0)
+    tokens_per_minute: Int64 | None = Field(default=None, ge=0)
+
+
+class SetLimits(Message):
+    """`cmd.limits.set`: an operator sets the limits of one project, one person, or the
+    default of either (`name: "*"`). Only an operator's NATS user may call it."""
+
+    scope: LimitScope
+    name: LimitName
+    limits: SpendLimits
+
+
+class LimitsSetReply(Message):
+    """The limits as they now stand at that level."""
+
+    scope: LimitScope
+    name: LimitName
+    limits: SpendLimits
+
+
+class LimitsStatusRequest(Message):
+    """`cmd.limits.status`: the limits in force for a project and (optionally) a person,
+    with what the current window has used of each."""
+
+    project_id: ProjectId
+    person: Person | None = None
+
+
+class LimitUse(Message):
+    """One limit in force and its current window: used (settled), held (calls in flight)."""
+
+    scope: LimitScope
+    name: LimitName
+    metric: LimitMetric
+    window: LimitWindow
+    limit: int
+    used: int
+    held: int
+    resets_at: datetime
+
+
+class LimitsStatus(Message):
+    """Every limit that applies; `exhausted` names those a new call could not fit under now."""
+
+    limits: list[LimitUse]
+    exhausted: list[LimitUse]

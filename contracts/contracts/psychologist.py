@@ -61,6 +61,8 @@ class Reanalyze(Message):
 
     project_id: ProjectId
     session_id: UUID
+    # Who asked (their limits apply beside the project's); None: the session's opener.
+    requested_by: Actor | None = None
 
 
 class AnalysisOutcome(Message):

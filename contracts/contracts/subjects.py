@@ -28,6 +28,10 @@ BINDINGS_SET = "cmd.bindings.set"
 BINDINGS_LIST = "cmd.bindings.list"
 BINDINGS_RESOLVE = "cmd.bindings.resolve"
 USAGE_SUMMARY = "cmd.usage.summary"
+# Spend limits: set by an operator only (the `ops` user, the CLI), read by anyone who
+# shows or checks them (the Usage page, a reanalysis before it is queued).
+LIMITS_SET = "cmd.limits.set"
+LIMITS_STATUS = "cmd.limits.status"
 # Core NATS, not a stream: tells every metering replica to reload its binding cache.
 BINDINGS_CHANGED = "metering.bindings_changed"
 # Core NATS, not a stream: a cancel received by one metering replica, told to all,

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from enum import Enum
 from typing import Any
 from uuid import UUID
@@ -439,8 +441,30 @@ _READABLE: dict[str, str] = {
 }
 
 
-def readable_reason(code: str) -> str:
-    """Why a turn failed, written for the person (the `reason` of `agent.error`)."""
+_LIMIT_NAMES = {"day": "daily", "month": "monthly", "minute": "per-minute"}
+_LIMITED = {
+    "micros": "has used up its {window} spending limit",
+    "requests": "has reached its limit of model calls per minute",
+    "tokens": "has reached its limit of model tokens per minute",
+}
+
+
+def readable_reason(code: str, details: Mapping[str, Any] | None = None) -> str:
+    """Why a turn failed, written for the person (the `reason` of `agent.error`); a refusal
+    under a project's or a person's limit says whose, which, and when it resets."""
+    details = details or {}
+    if code in (ErrorCode.BUDGET_EXCEEDED, ErrorCode.RATE_LIMITED) and "resets_at" in details:
+        whose = "Your account" if details.get("scope") == "person" else "This project"
+        limited = _LIMITED.get(str(details.get("metric")), "has reached a limit").format(
+            window=_LIMIT_NAMES.get(str(details.get("window")), "")
+        )
+        resets = datetime.fromisoformat(str(details["resets_at"]))
+        day = "" if details.get("window") == "minute" else f" on {resets:%b %d}"
+        return (
+            f"{whose} {limited}, so I cannot answer right now. It resets at "
+            f"{resets:%H:%M} UTC{day}; send your message again then. "
+            "The conversation so far is kept."
+        )
     return _READABLE.get(
         code,
         f"I could not answer this message ({code}). Please send it again; "

@@ -13,13 +13,14 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import date
+from datetime import UTC, date, datetime, timedelta
 from uuid import UUID
 
 from contracts.common import ErrorCode
-from contracts.metering import Binding, SetBinding, TokenUsage
+from contracts.metering import Binding, SetBinding, SetLimits, TokenUsage
 from domain.errors import DomainError
 
 MICROS_PER_MILLION_TOKENS = 1_000_000
@@ -197,3 +198,108 @@ def reserve(run: RunBudget, worst_case: int, run_id: str) -> RunBudget:
 def settle(run: RunBudget, hold: int, cost: int) -> RunBudget:
     """The run after a turn that held `hold` turned out to cost `cost`."""
     return RunBudget(run.budget, run.spent + cost, run.reserved - hold)
+
+
+# --- limits ------------------------------------------------------------------
+# A project's and a person's spend per UTC day and month and their calls and tokens per
+# minute are counted per window; a call is admitted only if its worst case fits under
+# every limit that applies (the SQL holds it there atomically). These are the rules
+# around that: when a window resets, what a refusal says.
+
+
+def window_start(window: str, at: datetime) -> datetime:
+    """The UTC start of the `window` ('minute', 'day', 'month') that holds `at`."""
+    at = at.astimezone(UTC)
+    if window == "minute":
+        return at.replace(second=0, microsecond=0)
+    if window == "day":
+        return at.replace(hour=0, minute=0, second=0, microsecond=0)
+    if window == "month":
+        return at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    raise ValueError(f"unknown window {window!r}")
+
+
+def window_end(window: str, starts: datetime) -> datetime:
+    """When the window that began at `starts` resets (the next one begins)."""
+    if window == "minute":
+        return starts + timedelta(minutes=1)
+    if window == "day":
+        return starts + timedelta(days=1)
+    if window == "month":
+        year, month = divmod(starts.month, 12)
+        return starts.replace(year=starts.year + year, month=month + 1)
+    raise ValueError(f"unknown window {window!r}")
+
+
+@dataclass(frozen=True)
+class LimitCheck:
+    """One limit a call was checked against: whose, what, the window, the call's share."""
+
+    scope: str
+    name: str
+    metric: str
+    window: str
+    starts: datetime
+    limit: int
+    used: int
+    held: int
+    amount: int
+
+
+_PER = {"day": "daily", "month": "monthly", "minute": "per-minute"}
+
+
+def _usd(micros: int) -> str:
+    return f"${micros / 1_000_000:,.2f}"
+
+
+def limit_refusal(check: LimitCheck, now: datetime) -> DomainError:
+    """The refusal of a call that does not fit under `check`: `budget_exceeded` for money,
+    `rate_limited` for calls and tokens per minute, with when it resets."""
+    resets = window_end(check.window, check.starts)
+    details: dict[str, object] = {
+        "scope": check.scope,
+        "name": check.name,
+        "metric": check.metric,
+        "window": check.window,
+        "limit": check.limit,
+        "used": check.used + check.held,
+        "resets_at": resets.isoformat(),
+    }
+    who = f"{check.scope} {check.name}"
+    cost = f" and this call may cost up to {_usd(check.amount)}" if check.amount else ""
+    if check.metric == "micros":
+        return DomainError(
+            ErrorCode.BUDGET_EXCEEDED,
+            f"{who} has used {_usd(check.used + check.held)} of its {_per(check)} limit of "
+            f"{_usd(check.limit)}{cost}; nothing was called. "
+            f"The limit resets at {resets:%Y-%m-%d %H:%M} UTC.",
+            **details,
+        )
+    retry_after = max(1, int((resets - now).total_seconds() + 0.999))
+    unit = "calls" if check.metric == "requests" else "tokens"
+    return DomainError(
+        ErrorCode.RATE_LIMITED,
+        f"{who} is at its limit of {check.limit:,} {unit} a minute; nothing was called. "
+        f"Try again in {retry_after} s.",
+        **details,
+        retry_after_seconds=retry_after,
+    )
+
+
+def _per(check: LimitCheck) -> str:
+    return _PER[check.window]
+
+
+PROJECT_NAME = re.compile(r"^(\*|[A-Za-z0-9_-]{1,64})$")
+
+
+def check_limits(cmd: SetLimits) -> None:
+    """Refuse limits set on a name that cannot be a project's (a person's may hold `.` or `@`)."""
+    if cmd.scope == "project" and not PROJECT_NAME.match(cmd.name):
+        raise DomainError(
+            ErrorCode.INVALID_LIMITS,
+            f"{cmd.name!r} is not a project id (letters, digits, _ and -) nor '*'",
+            scope=cmd.scope,
+            name=cmd.name,
+        )

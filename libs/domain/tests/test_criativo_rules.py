@@ -444,3 +444,44 @@ def test_admit_keeps_every_distinct_input_once_sorted(seqs: list[int]) -> None:
 )
 def test_readable_reason(code: str, words: str) -> None:
     assert words in readable_reason(code)
+
+
+@pytest.mark.parametrize(
+    ("details", "words"),
+    [
+        (
+            {
+                "scope": "project",
+                "metric": "micros",
+                "window": "day",
+                "resets_at": "2026-12-05T00:00:00+00:00",
+            },
+            "This project has used up its daily spending limit, so I cannot answer right now. "
+            "It resets at 00:00 UTC on Dec 05",
+        ),
+        (
+            {
+                "scope": "person",
+                "metric": "micros",
+                "window": "month",
+                "resets_at": "2027-01-01T00:00:00+00:00",
+            },
+            "Your account has used up its monthly spending limit",
+        ),
+        (
+            {
+                "scope": "person",
+                "metric": "requests",
+                "window": "minute",
+                "resets_at": "2026-12-04T10:31:00+00:00",
+            },
+            "Your account has reached its limit of model calls per minute, so I cannot answer "
+            "right now. It resets at 10:31 UTC; send",
+        ),
+    ],
+)
+def test_a_limits_refusal_says_whose_which_and_when_it_resets(
+    details: dict[str, str], words: str
+) -> None:
+    code = "rate_limited" if details["window"] == "minute" else "budget_exceeded"
+    assert words in readable_reason(code, details)

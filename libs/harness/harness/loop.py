@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 from uuid import UUID
 
 from contracts import subjects
@@ -79,6 +79,8 @@ class LoopContext:
     messages: list[ChatMessage]
     session_id: UUID | None = None
     budget_micros: int | None = None
+    # The person the run works for: their limits apply beside the project's.
+    person: str | None = None
     # Iteration N's turn id; `<run_id>.<N>` when not given.
     turn_id: TurnIds | None = None
     # Stream every turn: deltas go to `delta_subject` (the session's by default),
@@ -108,6 +110,8 @@ class LoopResult:
     halt: Halt | None = None
     error_code: str | None = None
     error_message: str | None = None
+    # What metering said of the refusal beside its message (a limit's scope and reset).
+    error_details: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[tuple[ToolUseBlock, ToolResult]] = field(default_factory=list)
     # Every non-empty text block of every reply, in order (what the person saw streamed).
     texts: list[str] = field(default_factory=list)
@@ -178,6 +182,7 @@ class ToolLoop:
                     "budget_exceeded" if exc.code == ErrorCode.BUDGET_EXCEEDED else "error"
                 )
                 result.error_code, result.error_message = exc.code, exc.message
+                result.error_details = dict(exc.details)
                 # A failed turn is still billed by metering; its cost is in the details.
                 result.cost_micros += int(exc.details.get("cost_micros", 0))
                 return result
@@ -209,6 +214,7 @@ class ToolLoop:
             "tools": list(self._specs),
             "max_tokens": self._max_tokens,
             "budget_micros": ctx.budget_micros,
+            "person": ctx.person,
         }
         if not ctx.stream:
             return LlmTurn(**fields)

@@ -181,6 +181,8 @@ def ops_permissions() -> Permissions:
         f"{JS_API}.CONSUMER.CREATE.*.>",
         f"{JS_API}.CONSUMER.MSG.NEXT.*.*",
         "$SRV.>",
+        # who may spend: bindings and limits are the operator's to set
+        *catalog.OPERATOR_COMMANDS,
     ]
     # by domain, as an operator types it: `nats sub 'handoff.>'`
     domains = [f"{t.value.split('.')[0]}.>" for t in EventType]

@@ -264,7 +264,9 @@ class SessionWork:
             conv.session_id,
             EventType.AGENT_ERROR,
             f"agent:{agent}",
-            AgentError(agent=agent, code=exc.code, reason=rules.readable_reason(exc.code)),
+            AgentError(
+                agent=agent, code=exc.code, reason=rules.readable_reason(exc.code, exc.details)
+            ),
             causation_id=cause,
             idempotency_key=f"{agent}:error:{cause}",
         )

@@ -31,6 +31,7 @@ from importlib.resources import files
 from typing import Any
 from uuid import UUID
 
+from contracts.common import person_of
 from contracts.events import BusinessRule, TurnUsage
 from contracts.metering import ChatMessage, TokenUsage, ToolSpec, ToolUseBlock
 from domain import criativo as rules
@@ -51,11 +52,18 @@ RecordRule = Callable[[BusinessRule, str], Awaitable[UUID]]
 class TurnFailed(Exception):
     """Metering refused or failed the turn (after the provider's retries)."""
 
-    def __init__(self, code: str, message: str, turn_ids: list[str]) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        turn_ids: list[str],
+        details: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.turn_ids = turn_ids
+        self.details = details or {}
 
 
 @dataclass
@@ -126,6 +134,12 @@ def emit_artifact(conv: Conversation, record: RecordRule) -> Tool:
     return Tool.of(EMIT_ARTIFACT, handler)
 
 
+def _person(conv: Conversation, input_id: UUID) -> str | None:
+    """Whom a turn works for: the person whose message or readiness it answers."""
+    event = conv.inputs.get(input_id)
+    return person_of(event.actor) if event is not None else None
+
+
 class Turns:
     """Runs a session's model turns through metering, on the harness's `ToolLoop`."""
 
@@ -160,6 +174,7 @@ class Turns:
                 system=self._system(conv),
                 messages=rules.model_messages(conv, message_id),
                 budget_micros=self._budget,
+                person=_person(conv, message_id),
                 stream=True,
                 causation_id=message_id,
             ),
@@ -180,6 +195,8 @@ class Turns:
                 session_id=conv.session_id,
                 system="",
                 messages=[ChatMessage(role="user", content=text)],
+                budget_micros=self._budget,
+                person=_person(conv, message_id),
                 stream=True,
                 causation_id=message_id,
             ),
@@ -205,6 +222,7 @@ class Turns:
                 system=self._system(conv),
                 messages=rules.consolidation_messages(conv, readiness_seq, ask),
                 budget_micros=self._budget,
+                person=_person(conv, readiness_id),
                 stream=True,
                 causation_id=readiness_id,
             ),
@@ -227,7 +245,10 @@ class Turns:
         result = await loop.run(ctx)
         if result.status in ("error", "budget_exceeded"):
             raise TurnFailed(
-                result.error_code or "error", result.error_message or "", result.turn_ids
+                result.error_code or "error",
+                result.error_message or "",
+                result.turn_ids,
+                result.error_details,
             )
         return result
 

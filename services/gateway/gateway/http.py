@@ -23,8 +23,8 @@ from contracts.common import ErrorBody, ErrorCode, ErrorReply
 from contracts.gateway import ClientConfig
 from contracts.handoff import ListHandoffs
 from contracts.metering import (
+    LimitsStatusRequest,
     ListBindings,
-    SetBinding,
     UsageSummaryRequest,
 )
 from contracts.psychologist import (
@@ -234,26 +234,23 @@ def routes(hub: Hub) -> list[Route]:
     async def reanalyze(r: Request, p: Principal) -> BaseModel:
         session_id = _uuid(r, "session")
         await own_session(session_log, p, session_id)
-        request = Reanalyze(project_id=p.project_id, session_id=session_id)
+        request = Reanalyze(project_id=p.project_id, session_id=session_id, requested_by=p.actor)
         return await c(catalog.PSYCHOLOGIST_REANALYZE, request, timeout=120)
 
     async def bindings(_: Request, p: Principal) -> BaseModel:
         return await c(catalog.BINDINGS_LIST, ListBindings(project_id=p.project_id))
 
-    async def set_binding(r: Request, p: Principal) -> BaseModel:
-        body = await _body(r)
-        # A project's token binds within its project: never the workspace default.
-        if body.get("scope") not in ("project", "agent", "session"):
-            raise DomainError(ErrorCode.INVALID_REQUEST, "scope must be project, agent or session")
-        # A session binding names its session only (metering refuses a project beside it);
-        # the session's project is checked against the token below.
-        scoped = {k: v for k, v in body.items() if k != "project_id"}
-        if body["scope"] != "session":
-            scoped["project_id"] = p.project_id
-        request = _parse(SetBinding, scoped)
-        if request.session_id is not None:
-            await own_session(session_log, p, request.session_id)
-        return await c(catalog.BINDINGS_SET, request)
+    async def set_binding(_: Request, p: Principal) -> BaseModel:
+        # Which model answers decides what a call costs: an operator's choice, like the
+        # limits, never a token holder's (a token could bind the dearest model).
+        raise DomainError(
+            ErrorCode.FORBIDDEN,
+            "bindings are set by an operator (agentbus bindings set …), not with a token",
+        )
+
+    async def limits(_: Request, p: Principal) -> BaseModel:
+        request = LimitsStatusRequest(project_id=p.project_id, person=p.user)
+        return await c(catalog.LIMITS_STATUS, request)
 
     async def usage(r: Request, p: Principal) -> BaseModel:
         group_by = (r.query_params.get("group_by") or "session,agent,model").split(",")
@@ -283,4 +280,5 @@ def routes(hub: Hub) -> list[Route]:
         route("/bindings", bindings),
         route("/bindings", set_binding, "PUT"),
         route("/usage", usage),
+        route("/limits", limits),
     ]

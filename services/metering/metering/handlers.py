@@ -13,18 +13,22 @@ from contracts.metering import (
     BindingsReply,
     CancelReply,
     CancelTurn,
+    LimitsSetReply,
+    LimitsStatus,
+    LimitsStatusRequest,
     ListBindings,
     LlmStream,
     LlmTurn,
     ResolveBinding,
     ResolvedBinding,
     SetBinding,
+    SetLimits,
     TurnReply,
     UsageSummaryReply,
     UsageSummaryRequest,
 )
 from domain.errors import DomainError
-from domain.metering import check_binding
+from domain.metering import check_binding, check_limits
 from metering.catalog import Catalog
 from metering.repository import MeteringRepository
 from metering.turns import TurnRunner
@@ -102,3 +106,15 @@ async def resolve(cmd: ResolveBinding, catalog: Catalog) -> ResolvedBinding:
 @svc.command(subjects.USAGE_SUMMARY)
 async def usage_summary(cmd: UsageSummaryRequest, repo: MeteringRepository) -> UsageSummaryReply:
     return await repo.summary(cmd)
+
+
+@svc.command(subjects.LIMITS_SET)
+async def set_limits(cmd: SetLimits, repo: MeteringRepository) -> LimitsSetReply:
+    # Read by every admission from the table itself: no cache to tell of the change.
+    check_limits(cmd)
+    return await repo.set_limits(cmd)
+
+
+@svc.command(subjects.LIMITS_STATUS)
+async def limits_status(cmd: LimitsStatusRequest, repo: MeteringRepository) -> LimitsStatus:
+    return await repo.limits_status(cmd.project_id, cmd.person)

@@ -11,16 +11,23 @@ from uuid import UUID
 
 import asyncpg
 
+from contracts.common import ErrorCode
 from contracts.metering import (
     Binding,
+    LimitsSetReply,
+    LimitsStatus,
+    LimitUse,
     SetBinding,
+    SetLimits,
+    SpendLimits,
     TokenUsage,
     TurnReply,
     UsageGroup,
     UsageSummaryReply,
     UsageSummaryRequest,
 )
-from domain.metering import Price, RunBudget
+from domain.errors import DomainError
+from domain.metering import LimitCheck, Price, RunBudget, window_end
 from servicekit.db import Connection
 
 BINDING_COLUMNS = "scope, project_id, agent_slug, session_id, model, updated_at, provider"
@@ -54,6 +61,109 @@ HOLD_ON_SEEN_RUN = (
        RETURNING version)"""
     + _CLAIM_AFTER_RUN
 )
+
+
+def _limits_in_force(project: str, person: str, amount: str, tokens: str) -> str:
+    """CTEs of the limits in force for a project and a person (may be null; parameters,
+    e.g. "$2"): each one's own row, field by field over the default row ('*'), and the
+    counters a call of `amount` µUSD and `tokens` tokens would hold in the windows open
+    now (UTC)."""
+    return f"""
+   who(scope, name) AS (VALUES ('project', {project}::text), ('person', {person}::text)),
+   caps AS (
+       SELECT w.scope, w.name,
+              coalesce(own.micros_per_day, dflt.micros_per_day) AS micros_per_day,
+              coalesce(own.micros_per_month, dflt.micros_per_month) AS micros_per_month,
+              coalesce(own.requests_per_minute, dflt.requests_per_minute) AS requests_per_minute,
+              coalesce(own.tokens_per_minute, dflt.tokens_per_minute) AS tokens_per_minute
+         FROM who w
+         LEFT JOIN limits own ON own.scope = w.scope AND own.name = w.name
+         LEFT JOIN limits dflt ON dflt.scope = w.scope AND dflt.name = '*'
+        WHERE w.name IS NOT NULL),
+   wanted AS (
+       SELECT c.scope, c.name, m.metric, m.win, date_trunc(m.win, now(), 'UTC') AS starts,
+              m.amount, m.lim
+         FROM caps c CROSS JOIN LATERAL (VALUES
+              ('micros', 'day', {amount}::bigint, c.micros_per_day),
+              ('micros', 'month', {amount}::bigint, c.micros_per_month),
+              ('requests', 'minute', 1::bigint, c.requests_per_minute),
+              ('tokens', 'minute', {tokens}::bigint, c.tokens_per_minute))
+              AS m(metric, win, amount, lim)
+        WHERE m.lim IS NOT NULL)"""
+
+
+# A held turn's ($1) counters: each admitted only if used + held + its share fits under
+# the limit, in this one statement (row locks taken in one order: scope, name, metric,
+# window), so parallel calls never promise the last cents twice. The hold notes what it
+# holds and for whom ($6: `turns.owner_of`). The caller's transaction is
+# rolled back when any counter refused: a call holds on all of them or on none.
+HOLD_LIMITS = (
+    "WITH"
+    + _limits_in_force("$2", "$3", "$4", "$5")
+    + """,
+   held AS (
+       INSERT INTO usage_counters AS c (scope, name, metric, win, starts, held, "limit")
+       SELECT scope, name, metric, win, starts, amount, lim FROM wanted WHERE amount <= lim
+        ORDER BY scope, name, metric, win
+       ON CONFLICT (scope, name, metric, win, starts) DO UPDATE
+          SET held = c.held + EXCLUDED.held, "limit" = EXCLUDED."limit"
+        WHERE c.used + c.held + EXCLUDED.held <= EXCLUDED."limit"
+       RETURNING scope, metric, win),
+   noted AS (
+       UPDATE budget_holds
+          SET project_id = $2, person = $3, tokens_held = $5, owner = $6,
+              counters = (SELECT coalesce(array_agg(scope || '/' || metric || '/' || win), '{}')
+                            FROM held)
+        WHERE turn_id = $1)
+   SELECT w.scope, w.name, w.metric, w.win, w.starts, w.lim AS "limit", w.amount,
+          coalesce(u.used, 0) AS used, coalesce(u.held, 0) AS held,
+          EXISTS (SELECT 1 FROM held h
+                   WHERE (h.scope, h.metric, h.win) = (w.scope, w.metric, w.win)) AS admitted
+     FROM wanted w
+     LEFT JOIN usage_counters u USING (scope, name, metric, win, starts)
+    ORDER BY w.scope, w.metric, w.win"""
+)
+
+# What the limits in force have used in the windows open now.
+LIMITS_STATUS = (
+    "WITH"
+    + _limits_in_force("$1", "$2", "0", "0")
+    + """
+   SELECT w.scope, w.name, w.metric, w.win, w.starts, w.lim AS "limit", w.amount,
+          coalesce(u.used, 0) AS used, coalesce(u.held, 0) AS held
+     FROM wanted w
+     LEFT JOIN usage_counters u USING (scope, name, metric, win, starts)
+    ORDER BY w.scope, w.metric, w.win"""
+)
+
+
+def settle_counters(cost: str, tokens: str) -> str:
+    """The CTEs that settle the counters of the hold a `hold` CTE returned (its
+    hold_micros, project_id, person, tokens_held, counters, created_at): each counter's
+    share moves from held to used at the call's real `cost` and `tokens` (parameters,
+    e.g. "$14"). Locked in the same order as `HOLD_LIMITS` takes them."""
+    return f""",
+   counter_rows AS MATERIALIZED (
+       SELECT c.scope, c.name, c.metric, c.win, c.starts, h.hold_micros, h.tokens_held
+         FROM usage_counters c, hold h
+        WHERE c.scope || '/' || c.metric || '/' || c.win = ANY (h.counters)
+          AND c.name = CASE c.scope WHEN 'project' THEN h.project_id ELSE h.person END
+          AND c.starts = date_trunc(c.win, h.created_at, 'UTC')
+        ORDER BY c.scope, c.name, c.metric, c.win
+          FOR UPDATE OF c),
+   counted AS (
+       UPDATE usage_counters c
+          SET held = c.held - CASE r.metric WHEN 'micros' THEN r.hold_micros
+                                            WHEN 'requests' THEN 1 ELSE r.tokens_held END,
+              used = c.used + CASE r.metric WHEN 'micros' THEN {cost}::bigint
+                                            WHEN 'requests' THEN 1 ELSE {tokens}::bigint END
+         FROM counter_rows r
+        WHERE (c.scope, c.name, c.metric, c.win, c.starts)
+              = (r.scope, r.name, r.metric, r.win, r.starts)
+       RETURNING c.scope, c.name, c.metric, c.win, c.used, c.held, c."limit")"""
+
+
+_HOLD_RETURNING = "hold_micros, project_id, person, tokens_held, counters, created_at"
 
 
 @dataclass(frozen=True)
@@ -102,12 +212,27 @@ class StoredRun:
 
 
 @dataclass(frozen=True)
+class CounterUse:
+    """A limit's counter as a bill left it."""
+
+    scope: str
+    name: str
+    metric: str
+    window: str
+    used: int
+    held: int
+    limit: int
+
+
+@dataclass(frozen=True)
 class Bill:
     """What billing a call did: whether this call wrote its usage row (False: it had one
-    already), and the run's row afterwards (None only for a run without a row)."""
+    already), the run's row afterwards (None only for a run without a row), and the
+    limits' counters the call settled."""
 
     billed: bool
     run: StoredRun | None
+    counters: tuple[CounterUse, ...] = ()
 
 
 def _stored(row: asyncpg.Record) -> StoredRun:
@@ -119,11 +244,97 @@ def _binding(row: asyncpg.Record) -> Binding:
     return Binding.model_validate(dict(row))
 
 
+async def _hold_if_unchanged(
+    conn: Connection,
+    run_id: str,
+    turn_id: str,
+    amount: int,
+    seen: StoredRun | None,
+    run: RunBudget,
+) -> int | None:
+    """Claim the turn id with its hold and save `run`, in one statement, only if the row is
+    still as `seen` (None: the run has no row yet) and the turn id is unclaimed; the row's
+    new version, or None when nothing was written.
+
+    The claim depends on the row's update, so a claim is never written without its
+    reservation; a concurrent claim of the same turn id bumped the version too (`hold`,
+    this statement), so the update cannot succeed beside it."""
+    figures = (turn_id, run_id, amount, run.budget, run.spent, run.reserved)
+    if seen is None:
+        row = await conn.fetchrow(HOLD_ON_NEW_RUN, *figures)
+    else:
+        row = await conn.fetchrow(HOLD_ON_SEEN_RUN, *figures, seen.version)
+    assert row is not None
+    if row["version"] is not None and not row["claimed"]:
+        # The turn id is claimed under another run: a caller reused it for another request.
+        raise turn_id_reused(turn_id)
+    version: int | None = row["version"]
+    return version
+
+
+def turn_id_reused(turn_id: str) -> DomainError:
+    """The refusal of a turn id already used for another request."""
+    return DomainError(
+        ErrorCode.TURN_ID_REUSED,
+        f"turn id {turn_id} was already used for another request (another run, project, "
+        "person or prompt); send each new request under a new turn_id",
+        turn_id=turn_id,
+    )
+
+
+def tokens_of(usage: TokenUsage) -> int:
+    """Every token a call consumed, whatever its kind (what a per-minute token limit counts)."""
+    return (
+        usage.input_tokens
+        + usage.output_tokens
+        + usage.cache_write_5m_tokens
+        + usage.cache_write_1h_tokens
+        + usage.cache_read_tokens
+    )
+
+
+def _check(row: asyncpg.Record) -> LimitCheck:
+    return LimitCheck(
+        scope=row["scope"],
+        name=row["name"],
+        metric=row["metric"],
+        window=row["win"],
+        starts=row["starts"],
+        limit=row["limit"],
+        used=row["used"],
+        held=row["held"],
+        amount=row["amount"],
+    )
+
+
 class BudgetTransaction:
     """The statements that run while one run's budget row is locked."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+
+    async def hold_if_unchanged(
+        self, run_id: str, turn_id: str, amount: int, seen: StoredRun | None, run: RunBudget
+    ) -> int | None:
+        """`_hold_if_unchanged` inside this transaction (the limits are held after it)."""
+        return await _hold_if_unchanged(self._conn, run_id, turn_id, amount, seen, run)
+
+    async def hold_limits(
+        self,
+        turn_id: str,
+        project_id: str,
+        person: str | None,
+        amount: int,
+        tokens: int,
+        owner: str,
+    ) -> list[LimitCheck]:
+        """Hold the turn's share on every limit in force for the project and the person;
+        the limits it did not fit under (then nothing may be committed: the caller rolls
+        back). The turn's hold must be claimed in this transaction first."""
+        rows = await self._conn.fetch(
+            HOLD_LIMITS, turn_id, project_id, person, amount, tokens, owner
+        )
+        return [_check(r) for r in rows if not r["admitted"]]
 
     async def lock_run(self, run_id: str) -> RunBudget:
         """The run's budget, created empty on its first turn, locked until commit."""
@@ -177,10 +388,19 @@ class BudgetTransaction:
         return version
 
     async def settle_hold(self, turn_id: str, cost: int) -> int | None:
-        """Mark the turn's hold settled at `cost`; returns what it held (None if settled before)."""
+        """Mark the turn's hold settled at `cost`, and its limits' counters with it (at the
+        tokens it held); returns what it held (None if settled before)."""
         held: int | None = await self._conn.fetchval(
-            """UPDATE budget_holds SET status = 'settled', cost_micros = $2, settled_at = now()
-                WHERE turn_id = $1 AND status = 'held' RETURNING hold_micros""",
+            """WITH hold AS (
+                   UPDATE budget_holds SET status = 'settled', cost_micros = $2,
+                          settled_at = now()
+                    WHERE turn_id = $1 AND status = 'held'
+                   RETURNING """
+            + _HOLD_RETURNING
+            + ")"
+            + settle_counters("$2", "r.tokens_held")
+            + """
+               SELECT hold_micros FROM hold""",
             turn_id,
             cost,
         )
@@ -225,25 +445,9 @@ class MeteringRepository:
     async def hold_if_unchanged(
         self, run_id: str, turn_id: str, amount: int, seen: StoredRun | None, run: RunBudget
     ) -> int | None:
-        """Claim the turn id with its hold and save `run`, in one statement and no explicit
-        transaction, only if the row is still as `seen` (None: the run has no row yet) and
-        the turn id is unclaimed; the row's new version, or None when nothing was written.
-
-        The claim depends on the row's update, so a claim is never written without its
-        reservation; a concurrent claim of the same turn id bumped the version too (`hold`,
-        this statement), so the update cannot succeed beside it."""
-        figures = (turn_id, run_id, amount, run.budget, run.spent, run.reserved)
-        if seen is None:
-            row = await self._pool.fetchrow(HOLD_ON_NEW_RUN, *figures)
-        else:
-            row = await self._pool.fetchrow(HOLD_ON_SEEN_RUN, *figures, seen.version)
-        assert row is not None
-        if row["version"] is not None and not row["claimed"]:
-            # Only a caller reusing a turn id under another run gets here: the run now
-            # holds more than it should, which refuses turns early but never overspends.
-            raise RuntimeError(f"turn id {turn_id} is claimed under another run than {run_id}")
-        version: int | None = row["version"]
-        return version
+        """`_hold_if_unchanged` in a statement of its own (no limits held: the benches')."""
+        async with self._pool.acquire() as conn:
+            return await _hold_if_unchanged(conn, run_id, turn_id, amount, seen, run)
 
     async def bill(self, record: UsageRecord) -> Bill:
         """Write the call's usage row, settle its hold to the real cost and move the hold to
@@ -277,7 +481,11 @@ class MeteringRepository:
                    UPDATE budget_holds SET status = 'settled', cost_micros = $14,
                           settled_at = now()
                     WHERE turn_id = $1 AND status = 'held' AND EXISTS (SELECT 1 FROM usage)
-                   RETURNING hold_micros),
+                   RETURNING """
+            + _HOLD_RETURNING
+            + ")"
+            + settle_counters("$14", "$22")
+            + """,
                run AS (
                    UPDATE run_budgets
                       SET spent_micros = spent_micros + $14,
@@ -286,9 +494,10 @@ class MeteringRepository:
                           version = version + 1, updated_at = now()
                     WHERE run_id = $2 AND EXISTS (SELECT 1 FROM usage)
                    RETURNING budget_micros, spent_micros, reserved_micros, version)
-               SELECT true AS billed, * FROM run
+               SELECT true AS billed, *, (SELECT json_agg(counted) FROM counted) AS counters
+                 FROM run
                UNION ALL
-               SELECT false, * FROM run_locked WHERE NOT EXISTS (SELECT 1 FROM run)""",
+               SELECT false, *, NULL FROM run_locked WHERE NOT EXISTS (SELECT 1 FROM run)""",
             record.turn_id,
             record.run_id,
             record.kind,
@@ -310,10 +519,24 @@ class MeteringRepository:
             record.first_token_at,
             record.finished_at,
             record.reply.model_dump(mode="json") if record.reply is not None else None,
+            tokens_of(u),
         )
         if row is None:  # no run row: cannot happen (a hold needs one), billed regardless
             return Bill(billed=True, run=None)
-        return Bill(billed=row["billed"], run=_stored(row))
+        counters = tuple(
+            CounterUse(
+                c["scope"], c["name"], c["metric"], c["win"], c["used"], c["held"], c["limit"]
+            )
+            for c in row["counters"] or ()
+        )
+        return Bill(billed=row["billed"], run=_stored(row), counters=counters)
+
+    async def owner_of(self, turn_id: str) -> str | None:
+        """Whose request claimed the turn id (`turns.owner_of`); None when unknown."""
+        found: str | None = await self._pool.fetchval(
+            "SELECT owner FROM budget_holds WHERE turn_id = $1", turn_id
+        )
+        return found
 
     async def ended_turn(self, turn_id: str) -> EndedTurn | None:
         """The outcome of a turn that already ran, if it did."""
@@ -385,6 +608,48 @@ class MeteringRepository:
             project_id,
         )
         return [_binding(r) for r in rows]
+
+    async def set_limits(self, cmd: SetLimits) -> LimitsSetReply:
+        """Create or replace the limits at one level (a project, a person, or a default)."""
+        lim = cmd.limits
+        row = await self._pool.fetchrow(
+            """INSERT INTO limits (scope, name, micros_per_day, micros_per_month,
+                                   requests_per_minute, tokens_per_minute)
+               VALUES ($1, $2, $3, $4, $5, $6)
+               ON CONFLICT (scope, name) DO UPDATE
+                  SET micros_per_day = EXCLUDED.micros_per_day,
+                      micros_per_month = EXCLUDED.micros_per_month,
+                      requests_per_minute = EXCLUDED.requests_per_minute,
+                      tokens_per_minute = EXCLUDED.tokens_per_minute, updated_at = now()
+               RETURNING micros_per_day, micros_per_month, requests_per_minute,
+                         tokens_per_minute""",
+            cmd.scope,
+            cmd.name,
+            lim.micros_per_day,
+            lim.micros_per_month,
+            lim.requests_per_minute,
+            lim.tokens_per_minute,
+        )
+        assert row is not None
+        return LimitsSetReply(scope=cmd.scope, name=cmd.name, limits=SpendLimits(**dict(row)))
+
+    async def limits_status(self, project_id: str, person: str | None) -> LimitsStatus:
+        """The limits in force for the project and the person, and their open windows' use."""
+        rows = await self._pool.fetch(LIMITS_STATUS, project_id, person)
+        uses = [
+            LimitUse(
+                scope=r["scope"],
+                name=r["name"],
+                metric=r["metric"],
+                window=r["win"],
+                limit=r["limit"],
+                used=r["used"],
+                held=r["held"],
+                resets_at=window_end(r["win"], r["starts"]),
+            )
+            for r in rows
+        ]
+        return LimitsStatus(limits=uses, exhausted=[u for u in uses if u.used + u.held >= u.limit])
 
     async def summary(self, req: UsageSummaryRequest) -> UsageSummaryReply:
         """Usage grouped by the requested dimensions; each one is a flag, never SQL text."""

@@ -15,7 +15,7 @@ stop, its row has status `cancelled` and the usage the provider consumed until t
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,6 +42,7 @@ from domain.metering import (
     choose_budget,
     cost_micros,
     estimate_input_tokens,
+    limit_refusal,
     reserve,
     worst_case_micros,
 )
@@ -56,10 +57,17 @@ from metering.providers.base import (
     ProviderRequest,
     Providers,
 )
-from metering.repository import EndedTurn, MeteringRepository, StoredRun, UsageRecord
+from metering.repository import (
+    Bill,
+    EndedTurn,
+    MeteringRepository,
+    StoredRun,
+    UsageRecord,
+    turn_id_reused,
+)
 from servicekit.endpoint import UNAVAILABLE_ERRORS
 from servicekit.logs import get_logger
-from servicekit.metrics import SECONDS, Counter, Histogram
+from servicekit.metrics import SECONDS, Counter, Gauge, Histogram
 
 log = get_logger(__name__)
 
@@ -92,6 +100,34 @@ LLM_ERRORS = Counter(
 )
 
 
+LIMIT_REFUSALS = Counter(
+    "agentbus_llm_limit_refusals_total",
+    "Calls refused by a project's or person's limit, by scope and what was exhausted.",
+    ["scope", "metric"],
+)
+PROJECT_BUDGET_USED = Gauge(
+    "agentbus_project_budget_used_ratio",
+    "What a project has used (settled) of its spend limit in the current window.",
+    ["project", "window"],
+)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What a turn reserves before its call: its worst-case cost and tokens, for whom."""
+
+    micros: int
+    tokens: int
+    owner: str
+
+
+def observe_limits(bill: Bill) -> None:
+    """Set the project's budget gauges from the counters its bill settled."""
+    for c in bill.counters:
+        if c.scope == "project" and c.metric == "micros" and c.limit > 0:
+            PROJECT_BUDGET_USED.labels(c.name, c.window).set(c.used / c.limit)
+
+
 def observe(record: UsageRecord, started: float, first_token_at: float | None) -> None:
     """Count one provider call in the LLM series."""
     model, agent, usage = record.model, record.agent_slug, record.usage
@@ -120,6 +156,18 @@ def prompt_bytes(cmd: LlmTurn) -> int:
     """The size of what the model reads: system prompt, conversation and tool schemas."""
     body = PROMPT_BODY.dump_json((cmd.messages, cmd.tools))
     return len(cmd.system.encode()) + len(body)
+
+
+def owner_of(cmd: LlmTurn) -> str:
+    """Whose request a turn id was taken for: its run, project, session, person and agent.
+
+    A repeat under the same owner is a retry and gets the first reply, even if its prompt
+    was rebuilt with other bytes (a redelivered message's conversation is read again
+    from the log); under another owner the turn id was reused, and is refused."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (cmd.run_id, cmd.project_id, str(cmd.session_id), str(cmd.person), cmd.agent_slug):
+        digest.update(part.encode() + b"\x00")
+    return digest.hexdigest()
 
 
 def _reserved(run: RunBudget, cmd: LlmTurn, hold: int) -> RunBudget:
@@ -292,10 +340,16 @@ class TurnRunner:
         provider = self._provider_of(binding.provider)
         price = self._catalog.price(binding.model, datetime.fromtimestamp(started, UTC).date())
         input_estimate = estimate_input_tokens(prompt_bytes(cmd), len(cmd.messages))
-        hold = worst_case_micros(input_estimate, cmd.max_tokens, price)
+        hold = Hold(
+            worst_case_micros(input_estimate, cmd.max_tokens, price),
+            input_estimate + cmd.max_tokens,
+            owner_of(cmd),
+        )
         try:
             claimed = await self._reserve(cmd, hold)
-        except DomainError:
+        except DomainError as exc:
+            if exc.code == ErrorCode.TURN_ID_REUSED:
+                raise
             # A turn that already ran is answered from its row even when the run
             # could not afford it again today.
             ended = await self._repo.ended_turn(cmd.turn_id)
@@ -303,7 +357,7 @@ class TurnRunner:
                 raise
             return replay(cmd.turn_id, ended)
         if not claimed:  # this turn id ran, or runs: answer from its row, call nothing
-            return await self._repeated(cmd.turn_id)
+            return await self._repeated(cmd.turn_id, hold.owner)
 
         request = ProviderRequest(
             model=binding.model,
@@ -361,32 +415,46 @@ class TurnRunner:
         assert answer is not None
         return answer.model_copy(update={"budget_remaining_micros": remaining})
 
-    async def _reserve(self, cmd: LlmTurn, hold: int) -> bool:
-        """Hold the turn's worst case on its run; False when the turn id is already claimed.
+    async def _reserve(self, cmd: LlmTurn, hold: Hold) -> bool:
+        """Hold the turn's worst case on its run and on every limit of its project and person,
+        all or nothing; False when the turn id is already claimed.
 
-        On the first-token path, so in one round trip when this replica knows the run's
-        row as it last wrote it (the run's previous turn), two when it does not: the
-        decision is taken on that row and written only if the row is still the same
-        (`hold_if_unchanged`). A row someone else changed, or a turn that does not fit
-        what this replica saw, is decided again under the row lock, on the row as it is.
+        The run's row first, then the limits' counters (the order a bill and the sweeper
+        lock them in too). On the run, in one statement when this replica knows its row as
+        it last wrote it (the run's previous turn): the decision is taken on that row and
+        written only if the row is still the same (`hold_if_unchanged`). A row someone else
+        changed, or a turn that does not fit what this replica saw, is decided again under
+        the row lock, on the row as it is. A limit the turn does not fit under refuses it,
+        and nothing of the transaction is kept.
         """
         seen = self._runs.get(cmd.run_id)
         if seen is None:
             seen = await self._repo.stored_run(cmd.run_id)
-        with contextlib.suppress(DomainError):  # decided on what may be stale: see below
-            run = _reserved(seen.budget if seen else RunBudget(None, 0, 0), cmd, hold)
-            version = await self._repo.hold_if_unchanged(cmd.run_id, cmd.turn_id, hold, seen, run)
-            if version is not None:
-                self._remember(cmd.run_id, StoredRun(run, version))
-                return True
-        self._runs.pop(cmd.run_id, None)
         async with self._repo.transaction() as tx:
-            stored = await tx.lock_stored_run(cmd.run_id)
-            run = _reserved(stored.budget, cmd, hold)
-            version = await tx.hold(cmd.run_id, cmd.turn_id, hold, run)
-        if version is not None:
-            self._remember(cmd.run_id, StoredRun(run, version))
-        return version is not None
+            version = None
+            try:  # decided on what may be stale: see below
+                run = _reserved(seen.budget if seen else RunBudget(None, 0, 0), cmd, hold.micros)
+            except DomainError:
+                pass
+            else:
+                version = await tx.hold_if_unchanged(
+                    cmd.run_id, cmd.turn_id, hold.micros, seen, run
+                )
+            if version is None:
+                self._runs.pop(cmd.run_id, None)
+                stored = await tx.lock_stored_run(cmd.run_id)
+                run = _reserved(stored.budget, cmd, hold.micros)
+                version = await tx.hold(cmd.run_id, cmd.turn_id, hold.micros, run)
+                if version is None:
+                    return False
+            refused = await tx.hold_limits(
+                cmd.turn_id, cmd.project_id, cmd.person, hold.micros, hold.tokens, hold.owner
+            )
+            if refused:
+                LIMIT_REFUSALS.labels(refused[0].scope, refused[0].metric).inc()
+                raise limit_refusal(refused[0], datetime.now(UTC))
+        self._remember(cmd.run_id, StoredRun(run, version))
+        return True
 
     def _remember(self, run_id: str, stored: StoredRun) -> None:
         """Keep the run's row as this replica last wrote it (the most recent runs only)."""
@@ -455,7 +523,10 @@ class TurnRunner:
                 return Outcome(None, "error", DomainError(ErrorCode.PROVIDER_ERROR, repr(exc)))
         return None
 
-    async def _repeated(self, turn_id: str) -> TurnReply:
+    async def _repeated(self, turn_id: str, owner: str) -> TurnReply:
+        claimed_for = await self._repo.owner_of(turn_id)
+        if claimed_for is not None and claimed_for != owner:
+            raise turn_id_reused(turn_id)
         ended = await self._repo.ended_turn(turn_id)
         if ended is None:
             raise DomainError(
@@ -481,6 +552,7 @@ class TurnRunner:
     async def _record_once(self, record: UsageRecord, run_id: str) -> int | None:
         """The usage row and the settled hold, in one statement (`MeteringRepository.bill`)."""
         bill = await self._repo.bill(record)
+        observe_limits(bill)
         if bill.run is None:  # a run without a row: the call is billed, nothing to report
             return None
         if bill.billed:

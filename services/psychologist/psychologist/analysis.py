@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from uuid import UUID, uuid4
 
-from contracts.common import ErrorCode
+from contracts.common import ErrorCode, person_of
 from contracts.events import AnalysisCompleted, AnalysisFailed, EventType, HypothesisProposed
 from contracts.metering import ChatMessage, TokenUsage, ToolUseBlock
 from contracts.psychologist import (
@@ -149,6 +149,8 @@ class Prepared:
     run_id: str
     triggered_by: TriggeredBy
     closing_event_id: UUID | None
+    # Whom its model calls are for: who asked for it, else the person who opened the session.
+    person: str | None = None
 
 
 class Analyst:
@@ -169,7 +171,9 @@ class Analyst:
         self._in_progress_wait = in_progress_wait_seconds
         self._system = system_prompt()
 
-    async def prepare(self, session_id: UUID, triggered_by: TriggeredBy) -> Prepared:
+    async def prepare(
+        self, session_id: UUID, triggered_by: TriggeredBy, requested_by: str | None = None
+    ) -> Prepared:
         """Read everything the analysis is given and decide its tier."""
         session = await self._log.session(session_id)
         events = await self._log.events(session_id)
@@ -186,6 +190,7 @@ class Analyst:
             run_id_for(session_id, triggered_by),
             triggered_by,
             closing,
+            person_of(requested_by or session.opened_by),
         )
 
     async def analyse(self, prepared: Prepared, last_attempt: bool) -> AnalysisOutcome:
@@ -213,6 +218,7 @@ class Analyst:
                 messages=[ChatMessage(role="user", content=render(ctx))],
                 session_id=ctx.session.session_id,
                 budget_micros=plan.budget_micros,
+                person=prepared.person,
             )
         )
         # The reliability tests kill the process here: turns billed, nothing recorded.

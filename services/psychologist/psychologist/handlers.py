@@ -6,15 +6,17 @@ Each loads, calls one use case (an analysis, a decision) and replies; the rules 
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from itertools import groupby
 
 from nats.aio.client import Client
 from pydantic import Field
 
-from contracts import streams, subjects
+from contracts import catalog, streams, subjects
 from contracts.catalog import SESSION_CLOSINGS_FILTER
-from contracts.common import ErrorCode
+from contracts.common import ErrorCode, person_of
 from contracts.events import SESSION_CLOSINGS, Event
+from contracts.metering import LimitsStatusRequest
 from contracts.psychologist import (
     AnalysisOutcome,
     HypothesesReply,
@@ -25,10 +27,12 @@ from contracts.psychologist import (
     Reanalyze,
 )
 from domain.errors import DomainError
+from domain.metering import LimitCheck, limit_refusal, window_start
 from domain.psychologist import HypothesisStatus
 from psychologist import lifecycle
 from psychologist.analysis import Analyst, Retry
 from psychologist.repository import PsychologistRepository
+from servicekit.client import call
 from servicekit.consumer import ConsumerSpec
 from servicekit.logs import get_logger
 from servicekit.provenance import confirm
@@ -66,9 +70,32 @@ class PsychologistSettings(ServiceSettings):
     turn_lost_seconds: float = 180.0
 
 
+async def refuse_when_over(nc: Client, project_id: str, person: str | None) -> None:
+    """Refuse a reanalysis up front when a limit it would run under is used up: the person
+    is told now, not by an analysis that fails later."""
+    status = await call(
+        nc, catalog.LIMITS_STATUS, LimitsStatusRequest(project_id=project_id, person=person)
+    )
+    for use in status.exhausted:
+        raise limit_refusal(
+            LimitCheck(
+                scope=use.scope,
+                name=use.name,
+                metric=use.metric,
+                window=use.window,
+                starts=window_start(use.window, datetime.now(UTC)),
+                limit=use.limit,
+                used=use.used,
+                held=use.held,
+                amount=0,
+            ),
+            datetime.now(UTC),
+        )
+
+
 @svc.command(subjects.PSYCHOLOGIST_REANALYZE)
 async def reanalyze(
-    cmd: Reanalyze, session_log: SessionLogClient, analyst: Analyst
+    cmd: Reanalyze, session_log: SessionLogClient, analyst: Analyst, nc: Client
 ) -> AnalysisOutcome:
     session = await session_log.session(cmd.session_id)
     if session.project_id != cmd.project_id:
@@ -84,7 +111,9 @@ async def reanalyze(
             f"session {cmd.session_id} is still open; a session is analysed once it ended",
             session_id=str(cmd.session_id),
         )
-    prepared = await analyst.prepare(cmd.session_id, "manual")
+    person = person_of(cmd.requested_by or session.opened_by)
+    await refuse_when_over(nc, cmd.project_id, person)
+    prepared = await analyst.prepare(cmd.session_id, "manual", cmd.requested_by)
     # A manual run has no later delivery: any failure is announced now.
     return await analyst.analyse(prepared, last_attempt=True)
 
