@@ -38,7 +38,7 @@ async def test_its_info_names_the_provider_and_whether_it_is_the_offline_script(
 ) -> None:
     for key in ("ANTHROPIC_API_KEY", "AGENTBUS_PROVIDER"):
         monkeypatch.delenv(key, raising=False)
-    settings = MeteringSettings(**{"provider": "auto", **configured})
+    settings = MeteringSettings.model_validate({"provider": "auto", **configured})
     await start_metering(provider=build_provider(settings))
 
     metadata = await announced(nc)
