@@ -209,6 +209,9 @@ class Access:
     # NATS KV buckets it owns. A bucket holds only leases that expire by themselves, so
     # its owner may create it and set its TTL: losing one costs nothing, unlike a stream.
     buckets: tuple[str, ...] = ()
+    # Services whose NATS micro info (`$SRV.INFO.<service>`) it asks: what they announce
+    # in their metadata (metering: its provider, for the "offline model" notice).
+    info_of: tuple[str, ...] = ()
 
 
 # What decides who may spend: an operator's to change (the `ops` user, the CLI), never a
@@ -322,6 +325,7 @@ ACCESS = [
         ),
         subscribes=(SESSION_FEED,),
         reads=(streams.DELTAS.name,),
+        info_of=(LLM_TURN.service,),
     ),
 ]
 

@@ -53,6 +53,11 @@ BindingScope = Literal["session", "agent", "project", "workspace"]
 # Ollama, vLLM, LM Studio) or `scripted`. A binding that names none is served by the
 # provider metering is configured with (`AGENTBUS_PROVIDER`).
 ProviderName = Literal["anthropic", "openai", "scripted"]
+# What metering announces in its NATS micro metadata (`$SRV.INFO.metering`): the provider
+# that serves a binding naming none, and under `offline` "true" when that is the offline
+# script (the page's "offline model" notice), so no other service needs the provider key.
+METADATA_PROVIDER = "provider"
+METADATA_OFFLINE = "offline"
 
 
 class TextBlock(Message):

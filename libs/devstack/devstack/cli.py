@@ -13,7 +13,10 @@ agentbus provision                create or update the streams (the `provision` 
 agentbus republish --session S | --since T
                                   publish the log's events again from Postgres
 agentbus nats-config              the NATS users and permissions, passwords from env
-agentbus nats-passwords           new random passwords for them, as env lines (.env)
+agentbus secrets [--write .env]   new random secrets for docker-compose, as env lines
+                                  (NATS passwords, Postgres, the gateway's token secret);
+                                  --write creates the file, mode 0600 (`nats-passwords`:
+                                  the same)
 
 On the embedded stack (`make up`) the credentials come from `.agentbus/`; with
 `NATS_URL` set, from `NATS_USER`/`NATS_PASSWORD` (none: anonymous).
@@ -23,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -200,6 +205,32 @@ def _token(project: str, user: str) -> int:
     return 0
 
 
+def _write_secrets(path: Path, text: str, replace: bool) -> int:
+    """Create `path` readable by its owner alone; an existing one only with `replace`."""
+    # Made 0600 as it is created, never readable in between; O_EXCL (or O_NOFOLLOW when
+    # replacing) so a file or link already there is not written through.
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC | os.O_NOFOLLOW if replace else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        print(
+            f"{path} exists, and the NATS and Postgres data may have been started with its "
+            "secrets: keep it, or pass --replace to write new ones",
+            file=sys.stderr,
+        )
+        return 1
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        print(f"{path} is a symbolic link: not written through it", file=sys.stderr)
+        return 1
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # a replaced file keeps its old mode otherwise
+        out.write(text)
+    print(f"wrote {path} (mode 0600)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="agentbus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -256,8 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     deploy.add_argument(
         "--secrets", action="store_true", help="print every k8s Secret with new random values"
     )
-    sub.add_parser(
-        "nats-passwords", help="new random NATS passwords as NAME=value lines (for .env)"
+    made = sub.add_parser(
+        "secrets",
+        aliases=["nats-passwords"],
+        help="new random secrets for docker-compose (NATS, Postgres, gateway) as NAME=value",
+    )
+    made.add_argument(
+        "--write", metavar="PATH", type=Path, help="create PATH (mode 0600) instead of printing"
+    )
+    made.add_argument(
+        "--replace", action="store_true", help="replace PATH if it exists (every secret new)"
     )
     args = parser.parse_args(argv)
 
@@ -280,18 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_provision())
     if args.command == "republish":
         return asyncio.run(_republish(args.session, args.since))
-    if args.command == "nats-passwords":
-        import secrets
+    if args.command in ("secrets", "nats-passwords"):
+        from devstack.deploygen import compose_secrets
 
-        from servicekit.natsconf import password_variable
-
-        for user in USERS:
-            if user != ADMIN:  # the deployed configs have no unrestricted user
-                print(f"{password_variable(user)}={secrets.token_urlsafe(24)}")
-        return 0
+        if args.write is None:
+            print(compose_secrets(), end="")
+            return 0
+        return _write_secrets(args.write, compose_secrets(), args.replace)
     if args.command == "deploy-config":
-        from pathlib import Path
-
         from devstack import deploygen
 
         if args.secrets:
@@ -306,8 +341,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stale: {path} (run `make deploy-config`)")
         return 1 if outdated else 0
     if args.command == "nats-config":
-        from pathlib import Path
-
         from devstack.deployed import deployed_auth, write_deployed_auth
 
         if args.write:

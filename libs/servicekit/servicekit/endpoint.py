@@ -23,7 +23,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -175,10 +175,16 @@ class Endpoints:
         return register
 
     async def start(
-        self, nc: Client, concurrency: int = 256, instance: str = "", metrics_url: str = ""
+        self,
+        nc: Client,
+        concurrency: int = 256,
+        instance: str = "",
+        metrics_url: str = "",
+        metadata: Mapping[str, str] | None = None,
     ) -> Service:
         """Subscribe every command in the service's queue group; return the micro service.
-        `metrics_url` is announced in its metadata, where `agentbus up` finds it."""
+        `metrics_url` is announced in its metadata, where `agentbus up` finds it, with
+        the service's own `metadata` (what `$SRV.INFO.<service>` tells its callers)."""
         service = await add_service(
             nc,
             name=self.service,
@@ -186,7 +192,12 @@ class Endpoints:
             description=self.description,
             queue_group=self.service,
             # lets a supervisor or a test tell the replicas apart in $SRV.PING replies
-            metadata={"instance": instance, "pid": str(os.getpid()), "metrics": metrics_url},
+            metadata={
+                **(metadata or {}),
+                "instance": instance,
+                "pid": str(os.getpid()),
+                "metrics": metrics_url,
+            },
         )
         limit = asyncio.Semaphore(concurrency)
         for command in self.commands:

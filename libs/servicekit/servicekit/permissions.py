@@ -135,6 +135,7 @@ def service_permissions(access: Access) -> Permissions:
         # the start-up check that the streams exist as declared
         f"{JS_API}.INFO",
         *(f"{JS_API}.STREAM.INFO.{name}" for name in STREAM_NAMES),
+        *(f"$SRV.INFO.{service}" for service in access.info_of),
     ]
     subscribe = [
         *catalog.served_by(access.service),

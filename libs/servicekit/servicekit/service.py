@@ -197,9 +197,12 @@ class Service:
             api.command(cmd.subject, cmd.request)(_with(cmd.handler, bound))
         return api
 
-    async def serve(self, rt: Runtime, **deps: Any) -> None:
+    async def serve(
+        self, rt: Runtime, *, metadata: Mapping[str, str] | None = None, **deps: Any
+    ) -> None:
         """Start every subscription and command, then run until stopped (SIGTERM, or a
-        background task crashed); stop serving and finish the requests in flight."""
+        background task crashed); stop serving and finish the requests in flight.
+        `metadata` is announced in the service's NATS micro info (`$SRV.INFO`)."""
         given = {"nc": rt.nc, "js": rt.js, "settings": rt.settings, **deps}
         if rt.db is not None:
             given["pool"] = rt.db
@@ -216,6 +219,7 @@ class Service:
             rt.settings.endpoint_concurrency,
             rt.settings.instance_id,
             metrics_url=rt.metrics.url if rt.metrics is not None else "",
+            metadata=metadata,
         )
         _freeze_what_started()
         rt.health.serving.set()

@@ -67,6 +67,11 @@ PUBLISH = [
     ("gateway", "$JS.API.STREAM.DELETE.EVENTS", False),
     ("gateway", "$JS.API.CONSUMER.CREATE.DELTAS", True),
     ("gateway", "$JS.API.CONSUMER.CREATE.EVENTS.criativo-inputs", False),
+    # metering's micro info (which provider: the "offline model" notice), no one else's
+    ("gateway", "$SRV.INFO.metering", True),
+    ("gateway", "$SRV.INFO", False),
+    ("gateway", "$SRV.INFO.criativo", False),
+    ("gateway", "$SRV.STATS.metering", False),
     # the log alone publishes events
     ("session_events", CLOSED, True),
     ("session_events", CHAT, True),

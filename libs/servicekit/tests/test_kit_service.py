@@ -9,6 +9,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 import httpx
@@ -61,7 +62,7 @@ Serve = Callable[..., Awaitable[Runtime]]
 async def serve(nc: Client, js: JetStreamContext, pool: asyncpg.Pool) -> AsyncIterator[Serve]:
     runtimes: list[tuple[Runtime, asyncio.Task[None]]] = []
 
-    async def start(svc: Service, **deps: object) -> Runtime:
+    async def start(svc: Service, **deps: Any) -> Runtime:
         rt = Runtime(svc.name, KIT_SCHEMA, ServiceSettings(), nc, js, pool)
         task = asyncio.create_task(svc.serve(rt, **deps))
         runtimes.append((rt, task))
@@ -118,7 +119,7 @@ async def test_a_command_reads_its_request_model_off_the_signature_and_gets_its_
             raise DomainError("negative", "a toy adds naturals only")
         return Sum(total=cmd.a + cmd.b + offset)
 
-    await serve(svc, offset=100)
+    await serve(svc, offset=100, metadata={"flavour": "toy"})
 
     reply = await nc.request(f"cmd.{name}.add", Add(a=1, b=2).model_dump_json().encode())
     assert Sum.model_validate_json(reply.data).total == 103
@@ -128,6 +129,9 @@ async def test_a_command_reads_its_request_model_off_the_signature_and_gets_its_
     assert json.loads(malformed.data)["error"]["code"] == "invalid_request"
     info = json.loads((await nc.request(f"$SRV.INFO.{name}", b"")).data)
     assert (info["name"], info["version"]) == (name, "1.2.3")
+    # what the service announces, beside the kit's own (instance, pid, metrics)
+    assert info["metadata"]["flavour"] == "toy"
+    assert {"instance", "pid", "metrics"} <= set(info["metadata"])
     assert [(e["subject"], e["metadata"]["request"]) for e in info["endpoints"]] == [
         (f"cmd.{name}.add", "Add")
     ]

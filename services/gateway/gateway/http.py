@@ -37,7 +37,7 @@ from domain.errors import DomainError
 from gateway.access import own_session
 from gateway.auth import Principal, require_project, verify
 from gateway.metrics import HTTP_SECONDS
-from gateway.settings import offline_model
+from gateway.model import OfflineModel
 from gateway.views import sessions_of
 from gateway.ws import Hub
 
@@ -178,10 +178,11 @@ def _parse(model: type[M], data: dict[str, Any]) -> M:
 def routes(hub: Hub) -> list[Route]:
     """The API's routes, each a few lines over one command."""
     c, session_log = hub.commands, hub.session_log
+    offline_model = OfflineModel(c.nc, hub.settings.model_notice_seconds)
 
     async def whoami(_: Request, p: Principal) -> BaseModel:
         return ClientConfig(
-            project_id=p.project_id, user=p.user, offline_model=offline_model(hub.settings)
+            project_id=p.project_id, user=p.user, offline_model=await offline_model()
         )
 
     async def list_sessions(_: Request, p: Principal) -> BaseModel:

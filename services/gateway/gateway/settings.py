@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from servicekit.settings import ServiceSettings
 
 # A fixed dev port, so the link `make up` prints stays the same between runs.
@@ -31,15 +29,6 @@ class GatewaySettings(ServiceSettings):
     rate_per_second: float = 20.0
     rate_burst: int = 40
     command_timeout_seconds: float = 10.0
-    # Metering's provider choice, read from the same variables, for the "offline model"
-    # notice (DESIGN.md: without a key the demo runs on `scripted` and says so).
-    provider: str = "auto"
-
-
-def offline_model(settings: GatewaySettings) -> bool:
-    """Whether metering answers from its offline script rather than a real model."""
-    if settings.provider == "scripted":
-        return True
-    if settings.provider == "anthropic":
-        return False
-    return not os.environ.get("ANTHROPIC_API_KEY")
+    # How long metering's answer to "which provider?" is kept for the "offline model"
+    # notice (gateway.model): a restarted metering is noticed within this time.
+    model_notice_seconds: float = 30.0

@@ -165,7 +165,6 @@ async def gateway(
             nats_url=nats_url,
             gateway_port=0,
             gateway_secret=SECRET,
-            provider="scripted",
             **gateway_overrides,
         )
         await stack.enter_async_context(

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from contracts.metering import METADATA_OFFLINE, METADATA_PROVIDER
 from metering.cancels import DEFAULT_TTL_SECONDS, Cancellations
 from metering.catalog import Catalog
 from metering.handlers import SERVICE, svc
@@ -80,6 +81,13 @@ def build_provider(settings: MeteringSettings, script: Script | None = None) -> 
     return ScriptedProvider(script)
 
 
+def announced(providers: Providers) -> dict[str, str]:
+    """What this replica tells `$SRV.INFO.metering`: its default provider, and whether that
+    is the offline script."""
+    name = providers.default.name
+    return {METADATA_PROVIDER: name, METADATA_OFFLINE: str(name == ScriptedProvider.name).lower()}
+
+
 def build_providers(settings: MeteringSettings, default: Provider) -> Providers:
     """`default` and, when configured, the OpenAI-compatible provider beside it."""
     if not (settings.openai_base_url or settings.openai_api_key):
@@ -121,7 +129,9 @@ async def main(
         cancel_sub = await cancels.subscribe(rt.nc)
         runner = TurnRunner(repo, catalog, providers, rt.nc, cancels)
         try:
-            await svc.serve(rt, repo=repo, catalog=catalog, runner=runner)
+            await svc.serve(
+                rt, metadata=announced(providers), repo=repo, catalog=catalog, runner=runner
+            )
         finally:
             # Still listening while the turns in flight finished (`serve` drains them): a
             # person can stop a stream of a replica that is shutting down (another replica
