@@ -35,6 +35,9 @@ import asyncpg
 from nats.aio.client import Client
 from pydantic import BaseModel
 
+from contracts import catalog
+from contracts.metering import DEFAULT_LIMITS, SetLimits, SpendLimits
+from servicekit.client import call
 from servicekit.embedded import start_nats, start_postgres
 from servicekit.testing import ServiceProcess
 
@@ -120,7 +123,17 @@ async def start_services(
         stack.callback(proc.start().kill, signal.SIGTERM)
     for proc in procs:
         await proc.wait_ready(nc, proc.module, ready_timeout)
+    if "metering" in modules:
+        await lift_limits(nc)
     return procs
+
+
+async def lift_limits(nc: Client) -> None:
+    """No spend or rate limit by default (an operator's `cmd.limits.set`): a bench measures
+    how fast the system goes, and its load is far beyond what one person may spend."""
+    for scope in ("project", "person"):
+        request = SetLimits(scope=scope, name=DEFAULT_LIMITS, limits=SpendLimits())
+        await call(nc, catalog.LIMITS_SET, request, timeout=30)
 
 
 def wire(model: BaseModel) -> bytes:

@@ -534,6 +534,7 @@ async def start_system(stack: contextlib.AsyncExitStack, state: Path) -> tuple[S
     stack.push_async_callback(nc.close)
     for spec in specs:
         await wait_replicas(nc, spec.name, REPLICAS)
+    await bk.lift_limits(nc)
     ports = [gateway_port + i for i in range(REPLICAS)]
     system = System(state, cluster, pg.url, state / "pg", supervised, ports, calls_path)
     return system, nc

@@ -150,6 +150,7 @@ async def run() -> None:
             await services.enter_async_context(
                 running_service(psychologist_main(PsychologistSettings(**fast)), nc, "psychologist")
             )
+            await benchkit.lift_limits(nc)
             pool = await create_pool(database_url, "psychologist", 1, 4)
             hop, select = await baselines(nc, pool)
             print(

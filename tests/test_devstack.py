@@ -122,6 +122,30 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         assert answered.returncode == 0, answered.stdout
         assert "hello metering" in json.loads(answered.stdout)["content"][0]["text"]
         assert "provider_scripted" in (tmp_path / "up.log").read_text()
+        # the operator caps the project's day (as `ops`): the next call is refused, coded
+        capped = agentbus("limits", "set", "--project", "demo", "--day-usd", "0", env=stack_env)
+        assert capped.returncode == 0, capped.stdout + capped.stderr
+        assert json.loads(capped.stdout)["limits"]["micros_per_day"] == 0
+        over = agentbus(
+            "call",
+            "cmd.llm.turn",
+            json.dumps(
+                {
+                    "run_id": "demo-run",
+                    "turn_id": "demo-turn-2",
+                    "agent_slug": "chat",
+                    "project_id": "demo",
+                    "messages": [{"role": "user", "content": "once more"}],
+                    "max_tokens": 200,
+                }
+            ),
+            env=stack_env,
+        )
+        assert json.loads(over.stdout)["error"]["code"] == "budget_exceeded", over.stdout
+        shown = agentbus("limits", "show", "demo", env=stack_env)
+        assert shown.returncode == 0, shown.stderr
+        exhausted = json.loads(shown.stdout)["exhausted"]
+        assert [(u["scope"], u["window"]) for u in exhausted] == [("project", "day")]
         # the web client's link, with a token for the demo project, answers
         port = stack_env["AGENTBUS_GATEWAY_PORT"]
         [link] = [

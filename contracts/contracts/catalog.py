@@ -214,9 +214,15 @@ class Access:
     info_of: tuple[str, ...] = ()
 
 
-# What decides who may spend: an operator's to change (the `ops` user, the CLI), never a
-# service's on a person's behalf (a person's token reaches the bus only through the gateway).
-OPERATOR_COMMANDS = (subjects.BINDINGS_SET, subjects.LIMITS_SET)
+# Who may spend and on which model: an operator's to read and change (the `ops` user, the
+# CLI), never a person's (a token reaches the bus only through the gateway, which cannot).
+OPERATOR_COMMANDS = (
+    subjects.BINDINGS_SET,
+    subjects.BINDINGS_LIST,
+    subjects.LIMITS_SET,
+    subjects.LIMITS_STATUS,
+    subjects.USAGE_SUMMARY,
+)
 
 EVERY_EVENT = tuple(subjects.event_filter(t) for t in EventType)
 EVERY_DELTA = (subjects.delta_subject("*", "*"), subjects.done_subject("*", "*"))

@@ -12,6 +12,14 @@ agentbus creds USER               how the NATS CLI connects as USER (ops, provis
 agentbus provision                create or update the streams (the `provision` user)
 agentbus republish --session S | --since T
                                   publish the log's events again from Postgres
+agentbus limits show PROJECT [--person P]
+                                  the spend and rate limits in force, and what the
+                                  current windows used
+agentbus limits set (--project P | --person P) [--day-usd X] [--month-usd X]
+                    [--requests-per-minute N] [--tokens-per-minute N]
+                                  an operator sets the limits of one project or person
+                                  (P `*`: the default of all); what is not named is
+                                  as the default (on the default: no limit)
 agentbus nats-config              the NATS users and permissions, passwords from env
 agentbus secrets [--write .env]   new random secrets for docker-compose, as env lines
                                   (NATS passwords, Postgres, the gateway's token secret);
@@ -36,6 +44,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from contracts.subjects import LIMITS_SET, LIMITS_STATUS
 from devstack.services import web_links
 from devstack.stack import (
     embedded_credentials,
@@ -48,7 +57,7 @@ from devstack.stack import (
 )
 from servicekit.bus import Credentials, identity_options, server_urls
 from servicekit.logs import configure_logging
-from servicekit.permissions import ADMIN, PROVISION, USERS, inbox_prefix
+from servicekit.permissions import ADMIN, OPS, PROVISION, USERS, inbox_prefix
 
 
 def _nats_url() -> str:
@@ -231,6 +240,37 @@ def _write_secrets(path: Path, text: str, replace: bool) -> int:
     return 0
 
 
+def _micros(usd: str | None) -> int | None:
+    return None if usd is None else round(float(usd) * 1_000_000)
+
+
+async def _limits(args: argparse.Namespace) -> int:
+    """Show or set limits as the operator (`ops`: the one user besides `admin` allowed to)."""
+    if args.action == "show":
+        body: dict[str, Any] = {"project_id": args.project, "person": args.person}
+        subject = LIMITS_STATUS
+    else:
+        scope, name = ("project", args.project) if args.project else ("person", args.person)
+        limits = {
+            "micros_per_day": _micros(args.day_usd),
+            "micros_per_month": _micros(args.month_usd),
+            "requests_per_minute": args.requests_per_minute,
+            "tokens_per_minute": args.tokens_per_minute,
+        }
+        body, subject = {"scope": scope, "name": name, "limits": limits}, LIMITS_SET
+    nc = await _connect(OPS)
+    try:
+        msg = await nc.request(subject, json.dumps(body).encode(), timeout=10)
+    except nats.errors.NoRespondersError:
+        print(f"no service answers {subject}: is metering running?", file=sys.stderr)
+        return 2
+    finally:
+        await nc.close()
+    reply = json.loads(msg.data)
+    print(json.dumps(reply, indent=2))
+    return 1 if isinstance(reply, dict) and "error" in reply else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="agentbus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -270,6 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     which = again.add_mutually_exclusive_group(required=True)
     which.add_argument("--session", help="one session's events (its id)")
     which.add_argument("--since", help="every event created since (ISO 8601 time)")
+    limits = sub.add_parser("limits", help="show or set spend and rate limits (operator)")
+    action = limits.add_subparsers(dest="action", required=True)
+    show = action.add_parser("show", help="the limits in force and the windows' use")
+    show.add_argument("project")
+    show.add_argument("--person", help="a person's too (the `sub` of their token)")
+    setting = action.add_parser("set", help="set one project's or person's limits ('*': default)")
+    whose = setting.add_mutually_exclusive_group(required=True)
+    whose.add_argument("--project", help="a project id, or '*' for every project's default")
+    whose.add_argument("--person", help="a person, or '*' for every person's default")
+    setting.add_argument("--day-usd", help="spend per UTC day, in US dollars")
+    setting.add_argument("--month-usd", help="spend per UTC month, in US dollars")
+    setting.add_argument("--requests-per-minute", type=int, help="model calls per minute")
+    setting.add_argument("--tokens-per-minute", type=int, help="model tokens per minute")
     config = sub.add_parser("nats-config", help="the NATS accounts, users and permissions")
     config.add_argument(
         "--with-admin", action="store_true", help="include the unrestricted `admin` user"
@@ -319,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_provision())
     if args.command == "republish":
         return asyncio.run(_republish(args.session, args.since))
+    if args.command == "limits":
+        return asyncio.run(_limits(args))
     if args.command in ("secrets", "nats-passwords"):
         from devstack.deploygen import compose_secrets
 

@@ -61,6 +61,13 @@ PUBLISH = [
     ("gateway", subjects.LLM_TURN, False),
     ("gateway", subjects.LLM_STREAM, False),
     ("gateway", subjects.BINDINGS_RESOLVE, False),
+    # who may spend, and on which model, is an operator's to set, never a token's
+    ("gateway", subjects.BINDINGS_SET, False),
+    ("gateway", subjects.LIMITS_SET, False),
+    ("gateway", subjects.LIMITS_STATUS, True),
+    ("criativo", subjects.LIMITS_SET, False),
+    ("psychologist", subjects.LIMITS_SET, False),
+    ("psychologist", subjects.LIMITS_STATUS, True),
     ("gateway", CLOSED, False),
     ("gateway", CHAT, False),
     ("gateway", DELTA, False),
@@ -132,6 +139,9 @@ PUBLISH = [
     (OPS, "$JS.API.CONSUMER.MSG.NEXT.EVENTS.handoff-session-closings", False),
     (OPS, CLOSED, False),
     (OPS, subjects.LLM_TURN, False),
+    (OPS, subjects.LIMITS_SET, True),
+    (OPS, subjects.LIMITS_STATUS, True),
+    (OPS, subjects.BINDINGS_SET, True),
     # provision: the streams, nothing else
     (PROVISION, "$JS.API.STREAM.CREATE.EVENTS", True),
     (PROVISION, "$JS.API.STREAM.UPDATE.DELTAS", True),

@@ -13,9 +13,11 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from contracts import subjects
+from contracts import catalog, subjects
 from contracts.events import Event, EventType
 from contracts.handoff import AcceptReply, HandoffDecision
+from contracts.metering import SetLimits, SpendLimits
+from criativo.app import CriativoSettings
 from servicekit.client import call
 from servicekit.provenance import FORGED_EVENTS
 from servicekit.testing import wait_for
@@ -468,3 +470,40 @@ async def test_the_consolidation_turn_streams_like_any_answer(bus: Driver) -> No
     # the person saw the brief being written: the deltas are the reply the brief came from
     assert "feiras livres" in "".join(d.text for d in deltas)
     assert bus.provider.requests[-1].tools == []  # the model cannot emit it
+
+
+async def test_a_persons_spent_limit_is_told_plainly_and_nothing_is_called(
+    bus: Driver, nc: Client
+) -> None:
+    session = await bus.open()
+    await call(
+        nc,
+        catalog.LIMITS_SET,
+        SetLimits(scope="person", name="ana", limits=SpendLimits(micros_per_day=0)),
+    )
+    calls = len(bus.provider.requests)
+    message = await bus.say(session, "olá")
+    error = await bus.outcome(session, message)
+    assert error.type is EventType.AGENT_ERROR
+    assert error.payload["code"] == "budget_exceeded"
+    assert error.payload["reason"].startswith(
+        "Your account has used up its daily spending limit, so I cannot answer right now."
+    )
+    assert "It resets at 00:00 UTC" in error.payload["reason"]
+    assert len(bus.provider.requests) == calls
+
+
+async def test_the_plain_chat_runs_under_the_session_budget_and_the_persons_limits(
+    bus: Driver,
+) -> None:
+    session = await bus.open(criativo=False)
+    message = await bus.say(session, "oi")
+    assert (await bus.outcome(session, message)).type is EventType.AGENT_RESPONSE
+    run = await bus.db.fetchrow(
+        "SELECT budget_micros FROM metering.run_budgets WHERE run_id = $1", f"chat.{session}"
+    )
+    assert run is not None and run["budget_micros"] == CriativoSettings().session_budget_micros
+    held = await bus.db.fetchval(
+        "SELECT person FROM metering.budget_holds WHERE run_id = $1", f"chat.{session}"
+    )
+    assert held == "ana"

@@ -42,3 +42,44 @@ async def test_an_abandoned_hold_is_settled_once_at_its_worst_case(database_url:
         assert holds == {"turn-dead": "settled", "turn-live": "held"}
     finally:
         await pool.close()
+
+
+async def test_an_abandoned_holds_limits_are_charged_its_worst_case_too(
+    database_url: str,
+) -> None:
+    pool: asyncpg.Pool = await create_pool(database_url, "metering")
+    try:
+        await migrate(pool, "metering", [KIT_MIGRATIONS, "metering.migrations"])
+        repo = MeteringRepository(pool)
+        async with repo.transaction() as tx:  # reserved on the run and the limits, then died
+            await tx.lock_run("run-1")
+            assert await tx.hold("run-1", "turn-dead", 600, RunBudget(None, 0, 600))
+            assert await tx.hold_limits("turn-dead", "proj", "ana", 600, 900, "owner") == []
+        await pool.execute(
+            "UPDATE budget_holds SET created_at = now() - interval '1 hour' "
+            "WHERE turn_id = 'turn-dead'"
+        )
+        held = {
+            (r["scope"], r["metric"], r["win"]): (r["used"], r["held"])
+            for r in await pool.fetch("SELECT scope, metric, win, used, held FROM usage_counters")
+        }
+        assert held[("project", "micros", "day")] == (0, 600)
+        assert held[("person", "tokens", "minute")] == (0, 900)
+        # the hold's windows are those of when it was made, an hour ago: moved back with it
+        await pool.execute(
+            """UPDATE usage_counters SET starts = date_trunc(win, now() - interval '1 hour',
+                                                             'UTC')"""
+        )
+
+        assert await sweep_once(repo, older_than_seconds=1800) == 1
+
+        settled = {
+            (r["scope"], r["metric"], r["win"]): (r["used"], r["held"])
+            for r in await pool.fetch("SELECT scope, metric, win, used, held FROM usage_counters")
+        }
+        assert settled[("project", "micros", "day")] == (600, 0)
+        assert settled[("person", "micros", "month")] == (600, 0)
+        assert settled[("project", "requests", "minute")] == (1, 0)
+        assert settled[("person", "tokens", "minute")] == (900, 0)
+    finally:
+        await pool.close()

@@ -8,10 +8,11 @@ import uuid
 
 import pytest
 
-from contracts import streams, subjects
+from contracts import catalog, streams, subjects
 from contracts.common import ErrorCode
 from contracts.events import EventType
-from contracts.psychologist import HypothesisDecision, HypothesisReply
+from contracts.metering import SetLimits, SpendLimits
+from contracts.psychologist import HypothesisDecision, HypothesisReply, Reanalyze
 from contracts.subjects import event_subject
 from metering.providers.scripted import ScriptedToolCall, ScriptStep
 from servicekit.client import CommandFailed, call
@@ -181,3 +182,38 @@ async def test_a_duplicate_delivery_after_success_spends_nothing(bus: Driver) ->
     assert bus.metering.calls == calls
     assert len(await bus.analyses(s)) == 1
     assert len(await bus.events(s, EventType.ANALYSIS_COMPLETED.value)) == 1
+
+
+async def test_a_reanalysis_over_a_limit_is_refused_up_front_not_queued(bus: Driver) -> None:
+    s, _ = await analysed_with(bus)
+    calls, before = bus.metering.calls, await bus.analyses(s)
+    # the person who asks has used up their month
+    await call(
+        bus.nc,
+        catalog.LIMITS_SET,
+        SetLimits(scope="person", name="rui", limits=SpendLimits(micros_per_month=0)),
+    )
+    with pytest.raises(CommandFailed) as refused:
+        await call(
+            bus.nc,
+            catalog.PSYCHOLOGIST_REANALYZE,
+            Reanalyze(project_id=bus.project, session_id=s, requested_by="user:rui"),
+            timeout=30,
+        )
+    assert refused.value.code == ErrorCode.BUDGET_EXCEEDED
+    assert refused.value.details["scope"] == "person" and refused.value.details["name"] == "rui"
+    assert refused.value.details["window"] == "month"
+    assert bus.metering.calls == calls and await bus.analyses(s) == before
+    # someone else may still ask: the run is the project's, under their own limits
+    bus.provider.script = script()
+    outcome = await call(
+        bus.nc,
+        catalog.PSYCHOLOGIST_REANALYZE,
+        Reanalyze(project_id=bus.project, session_id=s, requested_by="user:sol"),
+        timeout=30,
+    )
+    assert outcome.status == "completed"
+    held = await bus.db.fetch(
+        "SELECT DISTINCT person FROM metering.budget_holds WHERE run_id LIKE $1", f"%{s}%"
+    )
+    assert "sol" in {r["person"] for r in held}
