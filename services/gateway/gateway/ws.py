@@ -224,7 +224,7 @@ class Connection:
             self.send,
         )
         try:
-            await feed.start(frame.after_seq)
+            await feed.start(frame.after_seq, view.event_count)
         except BaseException:
             await feed.close()
             raise
