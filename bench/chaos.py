@@ -139,9 +139,16 @@ class Person:
     def last_seq(self) -> int:
         return int(self.events[-1]["seq"]) if self.events else 0
 
-    def url(self) -> str:
+    async def url(self) -> str:
+        """The next replica's socket, with a single-use ticket traded for the token there."""
         port = self.ports[(self.index + self.connects) % len(self.ports)]
-        return f"ws://127.0.0.1:{port}/ws?token={self.token}"
+        async with httpx.AsyncClient(timeout=10) as http:
+            reply = await http.post(
+                f"http://127.0.0.1:{port}/api/projects/{self.project}/ws-ticket",
+                headers={"authorization": f"Bearer {self.token}"},
+            )
+        reply.raise_for_status()
+        return f"ws://127.0.0.1:{port}/ws?ticket={reply.json()['ticket']}"
 
     # -- the connection -----------------------------------------------------------------
 
@@ -152,8 +159,8 @@ class Person:
         while True:
             self.connects += 1
             try:
-                ws = await connect(self.url(), max_size=None, open_timeout=10)
-            except (OSError, InvalidHandshake, InvalidStatus, TimeoutError):
+                ws = await connect(await self.url(), max_size=None, open_timeout=10)
+            except (OSError, InvalidHandshake, InvalidStatus, TimeoutError, httpx.HTTPError):
                 await asyncio.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 3.0)
                 continue
@@ -399,9 +406,9 @@ class Person:
         async with httpx.AsyncClient(timeout=30) as http:
             for attempt in range(1000):
                 port = self.ports[(self.index + attempt) % len(self.ports)]
-                url = f"{base_url}:{port}/api/projects/{self.project}/sessions?token={self.token}"
+                url = f"{base_url}:{port}/api/projects/{self.project}/sessions"
                 with contextlib.suppress(httpx.HTTPError):
-                    reply = await http.post(url)
+                    reply = await http.post(url, headers={"authorization": f"Bearer {self.token}"})
                     if reply.status_code == 201:
                         return str(reply.json()["session_id"])
                 await asyncio.sleep(delay)

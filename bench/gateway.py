@@ -59,6 +59,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import uvloop
 from nats.aio.client import Client
@@ -147,7 +148,15 @@ class WsClient:
         return result
 
 
-async def open_client(url: str, session: uuid.UUID) -> WsClient:
+async def open_client(address: str, token: str, session: uuid.UUID) -> WsClient:
+    """A socket opened as the page opens it: a single-use ticket traded for the token."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        reply = await http.post(
+            f"http://{address}/api/projects/{PROJECT}/ws-ticket",
+            headers={"authorization": f"Bearer {token}"},
+        )
+    reply.raise_for_status()
+    url = f"ws://{address}/ws?ticket={reply.json()['ticket']}"
     client = WsClient(await connect(url, max_size=None, open_timeout=60))
     await client.request({"type": "join", "session_id": str(session)})
     return client
@@ -169,14 +178,14 @@ async def level(nc: Client, stack: contextlib.AsyncExitStack, env: dict[str, str
     port, token = free_port(), mint_token()
     gw_env = env | {"AGENTBUS_GATEWAY_PORT": str(port)}
     (gw,) = await bk.start_services(stack, nc, gw_env, logs, ["gateway"])
-    url = f"ws://127.0.0.1:{port}/ws?token={token}"
+    address = f"127.0.0.1:{port}"
     opening = OpenSession(project_id=PROJECT, opened_by="user:bench")
     sessions = [(await call(nc, subjects.SESSIONS_OPEN, opening, SessionOpenedReply)).session_id
                 for _ in range(n + 1)]  # fmt: skip
-    await (await open_client(url, sessions.pop())).ws.close()  # warm-up: one-time costs
+    await (await open_client(address, token, sessions.pop())).ws.close()  # warm-up: one-time costs
     await asyncio.sleep(1)
     rss_before = rss_kib(gw.pid)
-    clients = await asyncio.gather(*(open_client(url, s) for s in sessions))
+    clients = await asyncio.gather(*(open_client(address, token, s) for s in sessions))
     rss_joined = rss_kib(gw.pid)
     for c in clients:  # start Criativo everywhere; the activation reaches the log via outbox
         for attempt in range(5):  # an overloaded platform answers `unavailable`: retry

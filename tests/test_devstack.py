@@ -151,11 +151,14 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         [link] = [
             line.strip()
             for line in (tmp_path / "up.log").read_text().splitlines()
-            if line.strip().startswith(f"http://127.0.0.1:{port}/?token=")
+            if line.strip().startswith(f"http://127.0.0.1:{port}/#token=")
         ]
         token = link.split("token=", 1)[1]
         async with httpx.AsyncClient(timeout=10) as http:
-            me = await http.get(f"http://127.0.0.1:{port}/api/projects/demo?token={token}")
+            me = await http.get(
+                f"http://127.0.0.1:{port}/api/projects/demo",
+                headers={"authorization": f"Bearer {token}"},
+            )
         assert me.status_code == 200 and me.json()["offline_model"] is True
 
         children = psutil.Process(up.pid).children()

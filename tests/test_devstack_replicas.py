@@ -171,8 +171,10 @@ async def test_up_with_two_replicas_runs_and_lists_two_of_every_service(
         ]
         async with httpx.AsyncClient(timeout=10) as http:
             for link in links:
-                host, token = link.split("/?token=")
-                me = await http.get(f"{host}/api/projects/demo?token={token}")
+                host, token = link.split("/#token=")
+                me = await http.get(
+                    f"{host}/api/projects/demo", headers={"authorization": f"Bearer {token}"}
+                )
                 assert me.status_code == 200
 
         # Every replica's metrics URL is printed, and answers.

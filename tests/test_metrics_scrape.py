@@ -146,7 +146,13 @@ async def test_every_service_serves_the_series_of_a_chat_turn(
         await process.wait_ready(nc, name)
     url = await wait_for(lambda: gateway_url(processes["gateway"].log_path), what="gateway's URL")
     token = mint(SECRET, PROJECT, "ana")
-    ws = await connect(url.replace("http://", "ws://") + f"/ws?token={token}", max_size=None)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        ticket = await http.post(
+            f"/api/projects/{PROJECT}/ws-ticket", headers={"authorization": f"Bearer {token}"}
+        )
+    assert ticket.status_code == 200, ticket.text
+    ws_url = url.replace("http://", "ws://") + f"/ws?ticket={ticket.json()['ticket']}"
+    ws = await connect(ws_url, max_size=None)
     person = Person(url, ws)
     await chat_turn(person)
     refused = await nc.request(subjects.EVENTS_APPEND, b"{oops", timeout=5)

@@ -131,8 +131,13 @@ async def test_one_chat_message_is_one_trace_across_every_process(
         opened = await http.post(
             f"/api/projects/{PROJECT}/sessions", headers={"authorization": f"Bearer {token}"}
         )
+        ticket = await http.post(
+            f"/api/projects/{PROJECT}/ws-ticket", headers={"authorization": f"Bearer {token}"}
+        )
     assert opened.status_code == 201, opened.text
-    ws = await connect(url.replace("http://", "ws://") + f"/ws?token={token}", max_size=None)
+    assert ticket.status_code == 200, ticket.text
+    ws_url = url.replace("http://", "ws://") + f"/ws?ticket={ticket.json()['ticket']}"
+    ws = await connect(ws_url, max_size=None)
     person = Person(ws)
     try:
         await person.request({"type": "join", "session_id": opened.json()["session_id"]})

@@ -167,6 +167,14 @@ class ClientConfig(Message):
     offline_model: bool
 
 
+class WsTicket(Message):
+    """`POST /api/projects/{project}/ws-ticket`: opens one WebSocket, `/ws?ticket=…`,
+    within `expires_in` seconds (the token itself never goes in a URL)."""
+
+    ticket: str
+    expires_in: int
+
+
 class SessionSummary(Message):
     """A session of the project as the sessions list shows it."""
 

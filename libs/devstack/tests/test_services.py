@@ -70,7 +70,7 @@ def test_token_links_to_the_web_service_found_by_its_entry_point(tmp_path: Path)
 
     assert result.returncode == 0, result.stderr
     link = result.stdout.strip()
-    assert link.startswith("http://127.0.0.1:18480/?token=")
+    assert link.startswith("http://127.0.0.1:18480/#token=")
     claims = jwt.decode(
         link.split("token=", 1)[1], secret, algorithms=["HS256"], audience="agentbus-gateway"
     )

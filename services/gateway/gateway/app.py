@@ -115,8 +115,8 @@ def _route_of(app: Starlette) -> Callable[[dict[str, Any]], tuple[str, dict[str,
 
 
 def _without_token(span: Span, scope: dict[str, Any]) -> None:
-    """The WebSocket's token rides in its query string (`/ws?token=`): keep it out of the
-    span's URL attributes (the instrumentation redacts only a few cloud signatures)."""
+    """The WebSocket's ticket rides in its query string (`/ws?ticket=`): keep it out of
+    the span's URL attributes (the instrumentation redacts only a few cloud signatures)."""
     recorded = getattr(span, "attributes", None)
     if not span.is_recording() or not scope.get("query_string") or recorded is None:
         return

@@ -7,6 +7,7 @@ machine, from a file created once in the state folder.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -31,6 +32,9 @@ class Principal:
 
     project_id: str
     user: str
+    # When the token stops opening anything (seconds since the epoch): an open socket is
+    # closed then.
+    expires_at: float = math.inf
 
     @property
     def actor(self) -> str:
@@ -65,7 +69,8 @@ def dev_link(project_id: str = "demo", user: str = "dev") -> str:
     """A ready link to the web client for a local project (what `make up` prints)."""
     settings = GatewaySettings()
     token = mint(load_secret(settings.gateway_secret), project_id, user, settings.token_ttl_seconds)
-    return f"http://{settings.gateway_host}:{settings.gateway_port}/?token={token}"
+    # After `#`: a fragment never leaves the browser, so no access log records the token.
+    return f"http://{settings.gateway_host}:{settings.gateway_port}/#token={token}"
 
 
 def mint(secret: str, project_id: str, user: str = "dev", ttl_seconds: float = 12 * 3600) -> str:
@@ -102,7 +107,7 @@ def verify(secret: str, token: str | None) -> Principal:
     project, user = claims.get("prj"), claims.get("sub")
     if not isinstance(project, str) or not isinstance(user, str) or not USER_PATTERN.match(user):
         raise DomainError(ErrorCode.UNAUTHORIZED, "the token names no project or user")
-    return Principal(project, user)
+    return Principal(project, user, float(claims["exp"]))
 
 
 def require_project(principal: Principal, project_id: str) -> None:

@@ -115,6 +115,25 @@ def session_filter(project_id: str, session_id: uuid.UUID) -> str:
     return f"*.*.{project_id}.{session_id}"
 
 
+def foreign(subject: str, live: Live | None, project_id: str, session_id: uuid.UUID) -> str | None:
+    """Why a message received for a session is not that session's (None when it is): its
+    subject names another, or the event it carries does (deltas and dones name theirs by
+    subject only).
+
+    A subject is only where someone chose to publish: a client allowed to publish on the
+    session's subject, or an operator's push consumer delivering EVENTS there, can put
+    any well-formed message on it, even one the log confirms (a real event of another
+    session). A client is shown nothing of a session it did not join.
+    """
+    if subject.split(".")[-2:] != [project_id, str(session_id)]:
+        return "subject_names_another_session"
+    if isinstance(live, LiveEvent) and (
+        live.event.project_id != project_id or live.event.session_id != session_id
+    ):
+        return "event_of_another_session"
+    return None
+
+
 class Follower(Protocol):
     """What the fan-out hands a session's messages to (a connection's `SessionFeed`)."""
 
@@ -125,13 +144,15 @@ class Follower(Protocol):
 class _Topic:
     """One followed session: its subscription and the feeds following it."""
 
-    subject: str
+    project_id: str
+    session_id: uuid.UUID
     confirmations: Confirmations
     followers: list[Follower] = field(default_factory=list)
     subscribed: asyncio.Future[Subscription] | None = None
 
     async def subscribe(self, nc: Client) -> Subscription:
-        sub = await nc.subscribe(self.subject, cb=self.dispatch)
+        subject = session_filter(self.project_id, self.session_id)
+        sub = await nc.subscribe(subject, cb=self.dispatch)
         await nc.flush()  # the server knows the subscription before any feed reads the log
         return sub
 
@@ -140,6 +161,10 @@ class _Topic:
             live = decode(msg.subject, msg.data)
         except ValidationError as exc:  # one bad message must not end the feeds
             log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
+            return
+        reason = foreign(msg.subject, live, self.project_id, self.session_id)
+        if reason is not None:
+            log.warning("foreign_message_dropped", subject=msg.subject, reason=reason)
             return
         # A live event is shown only as the log committed it (DESIGN, who may use the
         # bus): a forged copy is never shown, nor lets the feeds drop the real one as a
@@ -177,7 +202,7 @@ class Fanout:
         key = session_filter(project_id, session_id)
         topic = self._topics.get(key)
         if topic is None:
-            topic = self._topics[key] = _Topic(key, self._confirmations)
+            topic = self._topics[key] = _Topic(project_id, session_id, self._confirmations)
             FOLLOWED_SESSIONS.inc()
             topic.subscribed = asyncio.ensure_future(topic.subscribe(self._nc))
         topic.followers.append(follower)

@@ -39,7 +39,16 @@ from contracts.criativo import AgentDone
 from contracts.events import Event, EventType
 from contracts.metering import TurnDelta
 from contracts.session_events import EVENTS_PAGE_MAX
-from gateway.fanout import Fanout, Live, LiveDelta, LiveDone, LiveEvent, delta_frame, event_frame
+from gateway.fanout import (
+    Fanout,
+    Live,
+    LiveDelta,
+    LiveDone,
+    LiveEvent,
+    delta_frame,
+    event_frame,
+    foreign,
+)
 from servicekit.logs import get_logger
 from servicekit.sessionlog import SessionLogClient
 
@@ -88,8 +97,15 @@ class SessionFeed:
         # Causes (message, readiness) whose outcome this client has: their turns are over.
         self._answered: set[uuid.UUID] = set()
 
-    async def start(self, after_seq: int) -> None:
-        """Follow, replay the log after `after_seq` and the open turns' deltas, go live."""
+    async def start(self, after_seq: int, log_last_seq: int) -> None:
+        """Follow, replay the log after `after_seq` and the open turns' deltas, go live.
+
+        `log_last_seq` is the session's last `seq` as the log reported it before this
+        call. A client cannot hold what was never written: a claim past it is taken as
+        that, so the live events after it are sent, and no read of the log walks a range
+        the session does not have.
+        """
+        after_seq = min(after_seq, log_last_seq)
         await self._fanout.follow(self._project, self.session_id, self)
         self._following = True
         self.last_seq = after_seq
@@ -169,6 +185,9 @@ class SessionFeed:
         among it, after the turn's cause. The log reads only forward, so pages are read
         from further and further back until every cause is found: open turns are recent,
         so in practice this is one page, and only when an open turn has such a cause.
+        `seq`s have no gaps, so a page the log does not fill lies past the session's
+        last event: the walk stops there rather than step down towards it a page at a
+        time (`start` clamps `after_seq`, so this is the bound of last resort).
         """
         causes = {d.causation_id for d in deltas if d.causation_id is not None}
         end = after_seq if causes else 0
@@ -178,6 +197,8 @@ class SessionFeed:
             for event in page:
                 self._note_outcome(event)
                 causes.discard(event.id)
+            if len(page) < end - start:
+                return
             end = start
 
     def _note_outcome(self, event: Event) -> None:
@@ -231,7 +252,10 @@ class SessionFeed:
                 batch = await sub.fetch(total - got, timeout=5)
                 got += len(batch)
                 for msg in batch:
-                    if msg.subject.startswith(subjects.DONE_PREFIX):
+                    reason = foreign(msg.subject, None, self._project, self.session_id)
+                    if reason is not None:
+                        log.warning("foreign_message_dropped", subject=msg.subject, reason=reason)
+                    elif msg.subject.startswith(subjects.DONE_PREFIX):
                         self._end_turns(AgentDone.model_validate_json(msg.data))
                     else:
                         deltas.append(TurnDelta.model_validate_json(msg.data))

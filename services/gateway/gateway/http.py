@@ -1,8 +1,8 @@
 """The HTTP JSON API: `/api/projects/{project}/…`, each route one command.
 
-Every route needs a token for the project in its path (`Authorization: Bearer …` or
-`?token=…`). A refusal keeps the service's code and gets the HTTP status a client
-expects (`STATUS`).
+Every route needs a token for the project in its path, in `Authorization: Bearer …`
+only: a token in a URL ends up in access logs. A refusal keeps the service's code and
+gets the HTTP status a client expects (`STATUS`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _token(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
         return header[7:].strip()
-    return request.query_params.get("token")
+    return None
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -179,6 +179,9 @@ def routes(hub: Hub) -> list[Route]:
     """The API's routes, each a few lines over one command."""
     c, session_log = hub.commands, hub.session_log
     offline_model = OfflineModel(c.nc, hub.settings.model_notice_seconds)
+
+    async def ws_ticket(_: Request, p: Principal) -> BaseModel:
+        return hub.tickets.issue(p)
 
     async def whoami(_: Request, p: Principal) -> BaseModel:
         return ClientConfig(
@@ -270,6 +273,7 @@ def routes(hub: Hub) -> list[Route]:
 
     return [
         route("", whoami),
+        route("/ws-ticket", ws_ticket, "POST"),
         route("/sessions", list_sessions),
         route("/sessions", open_session, "POST", 201),
         route("/sessions/{session}", get_session),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 
@@ -18,6 +19,23 @@ from servicekit.runtime import Runtime
 # Far above `max_frame_bytes`: a frame between the two gets an `error` frame and the
 # connection stays usable; only a frame past this one closes it (1009).
 WS_MAX_BYTES = 1024 * 1024
+
+
+class _WithoutQuery(logging.Filter):
+    """uvicorn writes a request's path with its query string into its lines (`"WebSocket
+    /ws?ticket=…" [accepted]`, and its access lines were it turned on): the query is cut,
+    as it may hold a credential."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                arg.split("?", 1)[0] if isinstance(arg, str) and arg.startswith("/") else arg
+                for arg in record.args
+            )
+        return True
+
+
+WITHOUT_QUERY = _WithoutQuery()
 
 
 class _Server(uvicorn.Server):
@@ -44,6 +62,8 @@ async def serving_http(rt: Runtime, app: ASGIApp, settings: GatewaySettings) -> 
     It runs as one of the service's background tasks, so its crash stops the service;
     on the way out (SIGTERM included) it closes its connections in order first.
     """
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).addFilter(WITHOUT_QUERY)  # once: a filter is added once
     sock = _listen(settings.gateway_host, settings.gateway_port)
     host, port = sock.getsockname()[:2]
     server = _Server(

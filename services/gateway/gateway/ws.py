@@ -2,7 +2,8 @@
 
 Every frame is answered: an `ack` with the service's reply, or an `error` with a code
 (malformed JSON, an unknown or invalid frame, an oversized one, a flood, a refusal of
-the service). None of them closes the connection; only a bad token does, or a client
+the service). None of them closes the connection; only a bad ticket does, or the
+token's expiry (both 4401: the page needs a new link, retrying cannot help), or a client
 so slow that `max_queued_frames` frames wait for it (close code 1013: come back and
 resume with `after_seq`).
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.trace import SpanKind
@@ -24,7 +27,7 @@ from contracts.gateway import AckFrame, ClientFrame, ErrorFrame, Join
 from domain.errors import DomainError
 from gateway.access import own_session
 from gateway.actions import SessionActions
-from gateway.auth import Principal, verify
+from gateway.auth import Principal
 from gateway.bus import Commands
 from gateway.fanout import Fanout
 from gateway.feed import SessionFeed
@@ -39,6 +42,7 @@ from gateway.metrics import (
 from gateway.presence import Presence
 from gateway.ratelimit import TokenBucket
 from gateway.settings import GatewaySettings
+from gateway.tickets import Tickets
 from gateway.wire import EXTENSION, FrameWriter, model_frame
 from servicekit.logs import get_logger
 from servicekit.patience import is_unavailable
@@ -49,7 +53,9 @@ from servicekit.telemetry import new_trace
 log = get_logger(__name__)
 FRAMES: TypeAdapter[Any] = TypeAdapter(ClientFrame)
 # Close codes in the application range: the browser sees them, unlike an HTTP status.
+# 4401: the credentials do not (or no longer) let this client in; the reason says which.
 CLOSE_UNAUTHORIZED = 4401
+TOKEN_EXPIRED = "token expired"
 # "Try again later": the client fell too far behind; it reconnects and resumes.
 CLOSE_TOO_SLOW = 1013
 
@@ -65,6 +71,10 @@ class Hub:
     presence: Presence
     fanout: Fanout
     confirmations: Confirmations
+    tickets: Tickets = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tickets = Tickets(self.secret)
 
 
 class Connection:
@@ -85,7 +95,9 @@ class Connection:
         self._flush_scheduled = False
         writer.on_writable = self._flush
         self._closing = False
-        self._too_slow: asyncio.Task[None] | None = None
+        self._closer: asyncio.Task[None] | None = None
+        # The one timer a connection holds: its token's expiry closes it.
+        self._expiry: asyncio.TimerHandle | None = None
         self._bucket = TokenBucket(hub.settings.rate_per_second, hub.settings.rate_burst)
         self._feed: SessionFeed | None = None
         self._actions: SessionActions | None = None
@@ -105,7 +117,7 @@ class Connection:
             WS_SLOW_CLIENT_CLOSES.inc()
             log.warning("client_too_slow", user=self._principal.user, queued=len(self._outgoing))
             # A task of its own: the close may wait on the very socket that is stuck.
-            self._too_slow = asyncio.create_task(self._ws.close(CLOSE_TOO_SLOW))
+            self._closer = asyncio.create_task(self._ws.close(CLOSE_TOO_SLOW))
             return False
         self._outgoing.append(frame)
         if not self._flush_scheduled:
@@ -129,8 +141,22 @@ class Connection:
         # A client that is gone writes nothing: the reader sees the disconnect, cleans up.
         self._writer.write_frames(outgoing[0] if len(outgoing) == 1 else b"".join(outgoing))
 
+    def _expire(self) -> None:
+        """The token expired: nothing more in its name, and the page asks for a new link."""
+        self._expiry = None
+        if self._closing:
+            return
+        self._closing = True
+        log.info("token_expired", user=self._principal.user)
+        self._closer = asyncio.create_task(self._ws.close(CLOSE_UNAUTHORIZED, TOKEN_EXPIRED))
+
     async def serve(self) -> None:
         WS_CONNECTIONS.inc()
+        expires_at = self._principal.expires_at
+        if math.isfinite(expires_at):
+            # On the loop's clock, from the wall clock's distance to `exp`.
+            at = self._loop.time() + max(0.0, expires_at - time.time())
+            self._expiry = self._loop.call_at(at, self._expire)
         try:
             while True:
                 message = await self._ws.receive()
@@ -145,6 +171,9 @@ class Connection:
             return
         finally:
             WS_CONNECTIONS.dec()
+            if self._expiry is not None:
+                self._expiry.cancel()
+                self._expiry = None
             self._closing = True
             self._writer.on_writable = None
             await self._leave()
@@ -224,7 +253,7 @@ class Connection:
             self.send,
         )
         try:
-            await feed.start(frame.after_seq)
+            await feed.start(frame.after_seq, view.event_count)
         except BaseException:
             await feed.close()
             raise
@@ -249,15 +278,18 @@ class Connection:
 
 
 async def websocket_endpoint(hub: Hub, ws: WebSocket) -> None:
-    """`/ws?token=…`: browsers cannot set headers on a WebSocket, so the token is a query."""
+    """`/ws?ticket=…`: browsers cannot set headers on a WebSocket, so what admits one is
+    in its URL, and URLs get logged: a single-use ticket of seconds (`gateway.tickets`),
+    never the token. A client that sends a token there (or nothing) gets an `error`
+    frame saying how to get a ticket and is closed with 4401."""
     await ws.accept()
     writer: FrameWriter = ws.scope["extensions"][EXTENSION]["writer"]
     try:
-        principal = verify(hub.secret, ws.query_params.get("token"))
+        principal = hub.tickets.redeem(ws.query_params.get("ticket"))
     except DomainError as exc:
         await ws.send_text(ErrorFrame(code=exc.code, message=exc.message).model_dump_json())
         frame_sent("error")
         WS_ERROR_FRAMES.labels(exc.code).inc()
-        await ws.close(CLOSE_UNAUTHORIZED)
+        await ws.close(CLOSE_UNAUTHORIZED, "ticket refused")
         return
     await Connection(hub, ws, principal, writer).serve()

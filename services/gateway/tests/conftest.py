@@ -93,8 +93,19 @@ class Gateway:
         headers = {"authorization": f"Bearer {self.token(project)}"}
         return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30)
 
-    async def ws(self, token: str | None = None) -> WsClient:
-        ws_url = self.url.replace("http://", "ws://") + f"/ws?token={token or self.token()}"
+    async def ticket(self, token: str | None = None) -> str:
+        """A ticket for one socket, as the page gets it (the token in a header)."""
+        headers = {"authorization": f"Bearer {token or self.token()}"}
+        async with httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30) as http:
+            r = await http.post(f"/api/projects/{self.project}/ws-ticket")
+            assert r.status_code == 200, r.text
+            ticket: str = r.json()["ticket"]
+            return ticket
+
+    async def ws(self, token: str | None = None, *, query: str | None = None) -> WsClient:
+        """A socket opened with a ticket for `token` (or with `query` as it is)."""
+        query = query if query is not None else f"ticket={await self.ticket(token)}"
+        ws_url = self.url.replace("http://", "ws://") + f"/ws?{query}"
         client = WsClient(await connect(ws_url, max_size=None))
 
         async def read() -> None:

@@ -112,9 +112,9 @@ def httpx_without_token(gateway: Gateway, token: str | None = None) -> Any:
     return httpx.AsyncClient(base_url=gateway.url, headers=headers)
 
 
-async def test_a_bad_token_closes_the_websocket(gateway: Gateway) -> None:
+async def test_a_bad_ticket_closes_the_websocket(gateway: Gateway) -> None:
     refused = value(ERROR_FRAMES, code="unauthorized")
-    client = await gateway.ws(token="not-a-token")
+    client = await gateway.ws(query="ticket=not-a-ticket")
     await wait_for(lambda: client.reader is not None and client.reader.done())
     assert client.frames[0]["code"] == "unauthorized"
     assert client.ws.close_code == 4401

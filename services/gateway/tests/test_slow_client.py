@@ -140,7 +140,10 @@ async def test_a_reader_that_stopped_on_a_real_socket_is_closed_with_1013(
     sock.connect((url.hostname, url.port))
     # max_queue=1: the client stops reading the socket once one message waits unread
     ws = await connect(
-        f"ws://{url.netloc}/ws?token={gateway.token()}", sock=sock, max_queue=1, max_size=None
+        f"ws://{url.netloc}/ws?ticket={await gateway.ticket()}",
+        sock=sock,
+        max_queue=1,
+        max_size=None,
     )
     await ws.send(json.dumps({"type": "join", "session_id": str(session)}))
     while json.loads(await ws.recv())["type"] != "ack":  # the log replayed, then the ack

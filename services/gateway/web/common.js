@@ -3,13 +3,19 @@ import { marked } from "/vendor/marked.esm.js";
 import DOMPurify from "/vendor/purify.es.mjs";
 
 export const params = new URLSearchParams(location.search);
-// The token arrives once in the link `make up` prints; it moves into session storage and
-// out of the address bar (and so out of the history, bookmarks and screenshots).
-if (params.get("token")) {
-  sessionStorage.setItem("agentbus.token", params.get("token"));
+// The token arrives once in the link `make up` prints, after the `#` (a fragment is never
+// sent to a server, so no access log sees it; a `?token=` link is taken too); it moves
+// into session storage and out of the address bar (and so out of the history, bookmarks
+// and screenshots).
+const fragment = new URLSearchParams(location.hash.slice(1));
+const given = fragment.get("token") || params.get("token");
+if (given) {
+  sessionStorage.setItem("agentbus.token", given);
   params.delete("token");
+  fragment.delete("token");
   const rest = params.toString();
-  history.replaceState(history.state, "", `${location.pathname}${rest ? `?${rest}` : ""}${location.hash}`);
+  const hash = fragment.toString();
+  history.replaceState(history.state, "", `${location.pathname}${rest ? `?${rest}` : ""}${hash ? `#${hash}` : ""}`);
 }
 export const token = sessionStorage.getItem("agentbus.token") || "";
 
@@ -18,6 +24,11 @@ function claims() {
   catch { return {}; }
 }
 export const project = claims().prj || "";
+// Whether the token's `exp` has passed (the link must be opened anew: there is no refresh).
+export function tokenExpired() {
+  const exp = claims().exp;
+  return typeof exp === "number" && exp * 1000 <= Date.now();
+}
 
 export async function api(path, options = {}) {
   const r = await fetch(`/api/projects/${project}${path}`, {
@@ -74,6 +85,7 @@ export async function header() {
     el("span", { class: "project" }, `project ${project}`),
   );
   if (!token) { bar.append(el("p", { class: "error", role: "alert" }, "No token: open the link `make up` printed.")); return; }
+  if (tokenExpired()) { bar.append(el("p", { class: "error", role: "alert" }, "This link has expired: open a new one (`make up` prints it).")); return; }
   const me = await api("");
   if (me.offline_model) {
     bar.append(el("p", { class: "offline", id: "offline" },

@@ -1,28 +1,45 @@
 // The page's WebSocket to the gateway, kept open: reconnects with a capped, jittered
 // exponential backoff (a fixed 1 s retry made every client of a restarted gateway come
 // back in the same second), says which state it is in, and re-joins the session from the
-// last `seq` the page holds, so nothing is missed and nothing is repeated.
-const CLOSE_UNAUTHORIZED = 4401; // the token was refused: retrying cannot help
+// last `seq` the page holds, so nothing is missed and nothing is repeated. Each socket is
+// opened with a fresh single-use ticket (`address()`): the token never goes in its URL.
+// 4401: the ticket was refused or the token expired (the reason says which): retrying
+// cannot help, the person needs a new link.
+const CLOSE_UNAUTHORIZED = 4401;
 const FIRST_RETRY_MS = 500;
 const MAX_RETRY_MS = 10_000;
 // A socket that opens but never answers the join (a half-dead network or proxy) is
 // dropped and tried again, rather than left "connecting" for ever.
 const JOIN_TIMEOUT_MS = 10_000;
 
+// What `address()` throws when the token is refused: no socket can be opened with it.
+export class Refused extends Error {}
+
 export class Connection {
+  // address(): the URL of the next socket (a promise; `Refused` when the token is);
   // onFrame(frame): every frame; onState(state, detail): "connecting" | "live" |
-  // "reconnecting" (detail: seconds until the next try) | "refused";
+  // "reconnecting" (detail: seconds until the next try) | "refused" (detail: why);
   // onOpen(): a new socket is open and its join sent (send what waited for it);
   // onLost(): the socket is gone (what was sent on it and not answered may be lost).
-  constructor({ url, join, onFrame, onState, onOpen, onLost }) {
-    Object.assign(this, { url, join, onFrame, onState, onOpen, onLost });
+  constructor({ address, join, onFrame, onState, onOpen, onLost }) {
+    Object.assign(this, { address, join, onFrame, onState, onOpen, onLost });
     this.failures = 0;
     this.ws = null;
+    this.nextTry = null; // the timer of the next try, while one waits
   }
 
-  open() {
+  async open() {
+    this.nextTry = null;
     this.onState("connecting");
-    const ws = new WebSocket(this.url);
+    let url;
+    try {
+      url = await this.address();
+    } catch (e) {
+      if (e instanceof Refused) this.onState("refused", e.message);
+      else this.retry(); // the gateway unreachable or restarting: as a lost socket
+      return;
+    }
+    const ws = new WebSocket(url);
     this.ws = ws;
     // The gateway carries out one connection's frames in order, so whatever is sent
     // after the join acts in the joined session, even before the join's ack arrives.
@@ -44,21 +61,25 @@ export class Connection {
     };
     ws.onclose = (c) => {
       clearTimeout(joinTimer);
-      this.lost(ws, c.code);
+      this.lost(ws, c.code, c.reason);
     };
   }
 
-  // `ws` is gone: say so and try again later (unless the token was refused).
-  lost(ws, code) {
+  // `ws` is gone: say so and try again later (unless it was refused).
+  lost(ws, code, reason = "") {
     if (this.ws !== ws) return; // an old socket closing late, or already given up
     this.ws = null;
     this.onLost();
-    if (code === CLOSE_UNAUTHORIZED) { this.onState("refused"); return; }
+    if (code === CLOSE_UNAUTHORIZED) { this.onState("refused", reason); return; }
+    this.retry();
+  }
+
+  retry() {
     const ceiling = Math.min(MAX_RETRY_MS, FIRST_RETRY_MS * 2 ** this.failures);
     const wait = ceiling / 2 + Math.random() * (ceiling / 2);
     this.failures += 1;
     this.onState("reconnecting", Math.ceil(wait / 1000));
-    setTimeout(() => this.open(), wait);
+    this.nextTry = setTimeout(() => this.open(), wait);
   }
 
   // Whether a frame can go now; a caller with something that must not be lost queues it.

@@ -7,8 +7,8 @@
 // with its `client_msg_id` (the gateway appends it once however often it is sent).
 // Answers, rules and the brief are markdown rendered safely (common.js `markdown`); the chat
 // follows new text only while the reader is at its end, and says who is writing.
-import { el, header, longTime, markdown, params, shortTime, token } from "/common.js";
-import { Connection } from "/connection.js";
+import { el, header, longTime, markdown, params, project, shortTime, token, tokenExpired } from "/common.js";
+import { Connection, Refused } from "/connection.js";
 
 const sessionId = params.get("id");
 const highlight = params.get("highlightEvent");
@@ -290,7 +290,12 @@ function onContent(e) {
 
 // --- the connection ----------------------------------------------------------------
 
-const STATES = { connecting: "connecting…", live: "live", refused: "not allowed: open the link `make up` printed" };
+const STATES = {
+  connecting: "connecting…",
+  live: "live",
+  refused: "not allowed: open the link `make up` printed",
+  expired: "this link has expired: open a new one (`make up` prints it)",
+};
 const connState = document.getElementById("connection");
 
 function onFrame(f) {
@@ -322,13 +327,29 @@ function onFrame(f) {
 }
 
 const scheme = location.protocol === "https:" ? "wss" : "ws";
+
+// A socket's URL carries a ticket for it, traded for the token (which stays in a header).
+async function socketAddress() {
+  const r = await fetch(`/api/projects/${project}/ws-ticket`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${token}` },
+  });
+  if (r.status === 401 || r.status === 403) throw new Refused((await r.json()).error.message);
+  if (!r.ok) throw new Error(`no ticket: HTTP ${r.status}`);
+  const { ticket } = await r.json();
+  return `${scheme}://${location.host}/ws?ticket=${encodeURIComponent(ticket)}`;
+}
+
 const conn = new Connection({
-  url: `${scheme}://${location.host}/ws?token=${encodeURIComponent(token)}`,
+  address: socketAddress,
   join: () => ({ type: "join", session_id: sessionId, after_seq: lastSeq }),
   onFrame,
-  onState: (state, seconds) => {
-    connState.dataset.state = state;
-    connState.textContent = state === "reconnecting" ? `reconnecting in ${seconds} s…` : STATES[state];
+  onState: (state, detail) => {
+    // The person's token came from a link and nothing renews it: once it expired, say so.
+    const expired = state === "refused" && (detail === "token expired" || tokenExpired());
+    const shown = expired ? "expired" : state;
+    connState.dataset.state = shown;
+    connState.textContent = shown === "reconnecting" ? `reconnecting in ${detail} s…` : STATES[shown];
   },
   onOpen: flushPending,
   // Unacknowledged messages are sent again on the next socket: harmless, the gateway
