@@ -9,23 +9,39 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
+import asyncpg
+import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from structlog.testing import capture_logs
 
-from servicekit.consumer import ConsumerSpec, DurableConsumer
+from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler
 from servicekit.metrics import value
 from servicekit.testing import wait_for
 
+from .conftest import Background
 from .test_kit_consumer import (
     RunConsumer,
     consumer_info,
     publish,
-    run_consumer,  # noqa: F401  (the fixture)
     spec_for,
 )
+
+
+@pytest.fixture
+def run_consumer(
+    nc: Client, js: JetStreamContext, pool: asyncpg.Pool, background: Background
+) -> RunConsumer:
+    def start(spec: ConsumerSpec, handler: Handler) -> DurableConsumer:
+        consumer = DurableConsumer(nc, js, pool, spec, handler)
+        background(consumer.run())
+        return consumer
+
+    return start
 
 
 def watched(stream: tuple[str, str]) -> ConsumerSpec:
@@ -48,7 +64,7 @@ async def started(
     return consumer, got
 
 
-def drifts(logged: list[dict[str, Any]], spec: ConsumerSpec) -> list[dict[str, Any]]:
+def drifts(logged: Sequence[MutableMapping[str, Any]], spec: ConsumerSpec) -> list[Any]:
     return [e for e in logged if e["event"] == "consumer_drift" and e["consumer"] == spec.durable]
 
 
