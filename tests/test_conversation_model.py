@@ -49,7 +49,6 @@ SEEDS = [7, 1234, 99991]
 MESSAGES = 7
 PROJECT = f"p-model-{uuid.uuid4().hex[:6]}"
 FAST = {
-    "AGENTBUS_LEASE_TTL_SECONDS": "2",
     "AGENTBUS_RETRY_BACKOFF_SECONDS": "[0.2, 0.4, 0.8]",
     "AGENTBUS_OUTBOX_POLL_SECONDS": "0.2",
 }

@@ -47,7 +47,6 @@ from servicekit.testing import log_events, wait_for
 PROJECT = f"p-local-{uuid.uuid4().hex[:6]}"
 MODEL = "llama3.2"  # seeded at price 0
 FAST = {
-    "AGENTBUS_LEASE_TTL_SECONDS": "2",
     "AGENTBUS_RETRY_BACKOFF_SECONDS": "[0.2, 0.4, 0.8]",
     "AGENTBUS_OUTBOX_POLL_SECONDS": "0.2",
 }

@@ -70,7 +70,6 @@ class OwnNats:
             "NATS_PASSWORD": self.secrets[service],
             "AGENTBUS_LOG_FORMAT": "json",
             "AGENTBUS_OUTBOX_POLL_SECONDS": "0.2",
-            "AGENTBUS_LEASE_TTL_SECONDS": "2",
         }
 
 

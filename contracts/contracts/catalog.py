@@ -206,8 +206,7 @@ class Access:
     durables: tuple[Durable, ...] = ()
     # Streams it reads through short-lived consumers of its own (the gateway's catch-up).
     reads: tuple[str, ...] = ()
-    # NATS KV buckets it owns. A bucket holds only leases that expire by themselves, so
-    # its owner may create it and set its TTL: losing one costs nothing, unlike a stream.
+    # NATS KV buckets it reads and writes (`streams.BUCKETS`); `provision` creates them.
     buckets: tuple[str, ...] = ()
     # Services whose NATS micro info (`$SRV.INFO.<service>`) it asks: what they announce
     # in their metadata (metering: its provider, for the "offline model" notice).
@@ -236,7 +235,7 @@ HANDOFF_CLOSINGS = Durable("handoff-session-closings", streams.EVENTS.name)
 PSYCHOLOGIST_CLOSINGS = Durable("psychologist-session-closings", streams.EVENTS.name)
 # What a consumer of closings filters on (`HANDOFF_CLOSINGS`, `PSYCHOLOGIST_CLOSINGS`).
 SESSION_CLOSINGS_FILTER = tuple(subjects.event_filter(t) for t in SESSION_CLOSINGS)
-CRIATIVO_LEASES = "criativo_leases"
+CRIATIVO_LEASES = streams.LEASES.name
 
 # Agents reach a provider only through metering (`cmd.llm.turn|stream`); a consumer
 # confirms what it was delivered with the log (`cmd.events.get`) before acting.

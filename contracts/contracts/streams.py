@@ -23,6 +23,10 @@ class StreamSpec:
     # Takes JetStream's atomic batches (nats-server >= 2.12): the outbox relay publishes a
     # session's events as one, so they land in order, all or none (servicekit.outbox).
     allow_atomic: bool = False
+    # Answers `$JS.API.DIRECT.GET`: how an operator reads a stream without a consumer
+    # (`nats stream get`, `nats sub --stream S --direct`). Any consumer ops could create
+    # could be made to push the stream to any subject, so ops has none (README).
+    allow_direct: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -65,3 +69,29 @@ DEAD_LETTERS = StreamSpec(
 )
 
 ALL = [EVENTS, DELTAS, DEAD_LETTERS]
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A NATS KV bucket: created and configured by `agentbus provision` alone, like the
+    streams, so its owner cannot reshape its stream (`subjects`, `republish`)."""
+
+    name: str
+    description: str
+    ttl_seconds: float  # a key lives this long unless written again
+    history: int = 1
+
+    @property
+    def stream(self) -> str:
+        """The stream that holds the bucket."""
+        return f"KV_{self.name}"
+
+
+# Criativo's per-session leases: a replica that dies holding one frees it in one TTL.
+LEASES = BucketSpec(
+    name="criativo_leases",
+    description="Which Criativo replica holds each session, expiring unless renewed.",
+    ttl_seconds=15.0,
+)
+
+BUCKETS = [LEASES]

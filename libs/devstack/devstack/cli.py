@@ -9,7 +9,7 @@ agentbus call SUBJECT [JSON]      send a command, print the reply
 agentbus services                 list the service instances answering on the bus
 agentbus token PROJECT [--user U] a signed token (and link) for the web gateway
 agentbus creds USER               how the NATS CLI connects as USER (ops, provision, …)
-agentbus provision                create or update the streams (the `provision` user)
+agentbus provision                create or update the streams and KV buckets (`provision`)
 agentbus republish --session S | --since T
                                   publish the log's events again from Postgres
 agentbus limits show PROJECT [--person P]
@@ -174,7 +174,7 @@ async def _provision() -> int:
     from servicekit.settings import ServiceSettings
 
     await provision(_nats_url(), _credentials(PROVISION), ServiceSettings().stream_replicas)
-    print("streams provisioned")
+    print("streams and buckets provisioned")
     return 0
 
 
@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     token.add_argument("--user", default="dev")
     creds = sub.add_parser("creds", help="how the NATS CLI connects as a user")
     creds.add_argument("user", choices=USERS)
-    sub.add_parser("provision", help="create or update the streams (the provision user)")
+    sub.add_parser(
+        "provision", help="create or update the streams and KV buckets (the provision user)"
+    )
     again = sub.add_parser("republish", help="publish the log's events again from Postgres")
     which = again.add_mutually_exclusive_group(required=True)
     which.add_argument("--session", help="one session's events (its id)")

@@ -44,7 +44,13 @@ from nats.js.errors import ServiceUnavailableError
 
 from contracts import streams
 from devstack.services import ServiceSpec, discover, web_links
-from servicekit.bus import Credentials, identity_options, provision_streams, server_urls
+from servicekit.bus import (
+    Credentials,
+    identity_options,
+    provision_buckets,
+    provision_streams,
+    server_urls,
+)
 from servicekit.embedded import (
     EmbeddedNats,
     EmbeddedPostgres,
@@ -115,8 +121,9 @@ PROVISION_PATIENCE = 60.0
 
 
 async def provision(nats_url: str, credentials: Credentials | None, replicas: int = 1) -> None:
-    """Create or update every stream, as the one user allowed to (`agentbus provision`);
-    retried while a cluster's JetStream is not ready yet (no meta leader, no quorum)."""
+    """Create or update every stream and KV bucket, as the one user allowed to (`agentbus
+    provision`); retried while a cluster's JetStream is not ready yet (no meta leader, no
+    quorum)."""
     nc = await nats.connect(
         server_urls(nats_url), name="agentbus-provision", **identity_options(credentials)
     )
@@ -125,6 +132,7 @@ async def provision(nats_url: str, credentials: Credentials | None, replicas: in
         while True:
             try:
                 await provision_streams(nc.jetstream(), streams.ALL, replicas)
+                await provision_buckets(nc.jetstream(), streams.BUCKETS, replicas)
                 return
             except (
                 nats.errors.TimeoutError,

@@ -1,9 +1,10 @@
 """NATS and JetStream: connecting with a service's own identity, and the streams.
 
-Streams have one owner: `provision_streams` runs as the `provision` user (`agentbus
-provision`, a Job in k8s); a service only checks at start that they exist as declared
-(`check_streams`) and never creates one, so a deleted EVENTS is never re-created empty
-behind the operator's back.
+Streams and KV buckets have one owner: `provision_streams` and `provision_buckets` run
+as the `provision` user (`agentbus provision`, a Job in k8s); a service only checks at
+start that the streams exist as declared (`check_streams`), opens its buckets
+(`Bucket.open`) and never creates either, so a deleted EVENTS is never re-created empty
+behind the operator's back, and no service can reshape a bucket's stream.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import Header, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
-from contracts.streams import StreamSpec
+from contracts.streams import BucketSpec, StreamSpec
 from servicekit.logs import get_logger
 from servicekit.natsconf import read_secrets
 from servicekit.permissions import inbox_prefix
@@ -113,6 +114,7 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> StreamConfig:
         max_msg_size=spec.max_msg_size,
         num_replicas=replicas,
         allow_atomic=spec.allow_atomic,
+        allow_direct=spec.allow_direct,
     )
 
 
@@ -132,6 +134,32 @@ async def provision_streams(
             except BadRequestError:
                 pass  # another replica created it first: fall through to update
         await js.update_stream(config)
+
+
+def bucket_config(spec: BucketSpec, replicas: int = 1) -> KeyValueConfig:
+    """The nats-py configuration of a bucket declared in `contracts.streams`."""
+    return KeyValueConfig(
+        bucket=spec.name,
+        description=spec.description,
+        ttl=spec.ttl_seconds,
+        history=spec.history,
+        replicas=replicas,
+    )
+
+
+async def provision_buckets(
+    js: JetStreamContext, specs: Iterable[BucketSpec], replicas: int = 1
+) -> None:
+    """Create each bucket, or bring an existing one's TTL to the declared one."""
+    for spec in specs:
+        try:
+            await js.create_key_value(bucket_config(spec, replicas))
+            log.info("bucket_created", bucket=spec.name)
+        except BadRequestError:  # exists with another TTL
+            info = await js.stream_info(spec.stream)
+            info.config.max_age = spec.ttl_seconds
+            info.config.duplicate_window = min(spec.ttl_seconds, 120.0)
+            await js.update_stream(info.config)
 
 
 def _mismatches(spec: StreamSpec, found: StreamConfig, replicas: int) -> list[str]:
@@ -169,6 +197,16 @@ async def check_streams(
     return problems
 
 
+class BucketNotProvisioned(RuntimeError):
+    """A KV bucket a service opens does not exist: `agentbus provision` has not run."""
+
+    code = "bucket_not_provisioned"
+
+    def __init__(self, bucket: str) -> None:
+        super().__init__(f"{self.code}: KV bucket {bucket!r} does not exist")
+        self.bucket = bucket
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A KV bucket: its reads and writes, nats-py's `KeyValue` (`kv`) where it has them and
@@ -182,18 +220,15 @@ class Bucket:
     ttl: float  # seconds a key lives unless written again
 
     @classmethod
-    async def open(cls, js: JetStreamContext, config: KeyValueConfig) -> Bucket:
-        """Create the bucket, or bring an existing one's TTL to `config`'s: replicas share
-        one setting, and the newest wins."""
+    async def open(cls, js: JetStreamContext, name: str) -> Bucket:
+        """The bucket as `agentbus provision` made it, its TTL read from it; a missing one
+        is `BucketNotProvisioned` (a service never creates one)."""
         try:
-            kv = await js.create_key_value(config)
-        except BadRequestError:  # exists with another TTL
-            info = await js.stream_info(f"KV_{config.bucket}")
-            info.config.max_age = config.ttl
-            info.config.duplicate_window = min(config.ttl or 120.0, 120.0)
-            await js.update_stream(info.config)
-            kv = await js.key_value(config.bucket)
-        return cls(js, config.bucket, kv, config.ttl or 0.0)
+            kv = await js.key_value(name)
+            status = await kv.status()
+        except (BucketNotFoundError, NotFoundError) as exc:
+            raise BucketNotProvisioned(name) from exc
+        return cls(js, name, kv, status.ttl or 0.0)
 
     async def latest(self, key: str) -> KeyValue.Entry | None:
         """The key as the stream's leader has it; None when absent, deleted or purged.

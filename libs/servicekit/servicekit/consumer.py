@@ -41,6 +41,7 @@ from opentelemetry.trace import SpanKind
 from contracts import subjects
 from servicekit.cancellation import raise_if_cancelling
 from servicekit.db import Connection
+from servicekit.drift import keep_declared
 from servicekit.logs import get_logger
 from servicekit.metrics import (
     CONSUMER_DELIVERIES,
@@ -87,6 +88,9 @@ class ConsumerSpec:
     ack_wait: float | None = None
     # Pullers of this durable per replica, each handling one fetched batch at a time.
     workers: int = 1
+    # How often the consumer is compared with this declaration, and put back if it
+    # drifted (servicekit.drift); also at start.
+    drift_check_seconds: float = 60.0
 
     def config(self) -> ConsumerConfig:
         """The server-side configuration: explicit acks, bounded deliveries, backoff."""
@@ -152,14 +156,16 @@ class DurableConsumer:
         self._inflight: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        """Create or update the consumer, then handle messages until cancelled."""
-        await self._js.add_consumer(self.spec.stream, self.spec.config())
+        """Create the consumer (or put it back as declared), then handle messages until
+        cancelled, checking its configuration every `drift_check_seconds`."""
+        await keep_declared(self._nc, self._js, self.spec.stream, self.spec.config())
         advisory = await self._nc.subscribe(
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream}.{self.spec.durable}",
             cb=self._on_max_deliveries,
         )
         sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
         keepalive = asyncio.create_task(self._keep_alive())
+        watch = asyncio.create_task(self._watch_drift())
         try:
             while True:
                 raise_if_cancelling()
@@ -190,11 +196,24 @@ class DurableConsumer:
                         self._dispatch(msg, self._ordering_key(msg))
         finally:
             keepalive.cancel()
+            watch.cancel()
             for task in list(self._inflight):
                 task.cancel()
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
                 await sub.unsubscribe()
+
+    async def _watch_drift(self) -> None:
+        """Put the consumer back whenever it drifted from its declaration. A check that
+        fails (JetStream away) is tried at the next interval."""
+        while True:
+            await asyncio.sleep(self.spec.drift_check_seconds)
+            try:
+                await keep_declared(self._nc, self._js, self.spec.stream, self.spec.config())
+            except Exception as exc:
+                log.warning(
+                    "consumer_drift_check_failed", consumer=self.spec.durable, error=repr(exc)
+                )
 
     async def _fetch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
         """The next messages, as soon as one is there: a pull of one, then, only when that

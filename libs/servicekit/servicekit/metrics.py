@@ -18,7 +18,9 @@ The series (names are the dashboard's and the alerts' in deploy/):
 - consumers: `agentbus_consumer_deliveries_total{consumer}`,
   `agentbus_consumer_redeliveries_total{consumer}`,
   `agentbus_consumer_handler_duration_seconds{consumer,outcome}`,
-  `agentbus_consumer_pending_messages{consumer}` (JetStream `num_pending`);
+  `agentbus_consumer_pending_messages{consumer}` (JetStream `num_pending`),
+  `agentbus_consumer_drift_total{consumer}` (found configured otherwise than declared,
+  and put back: servicekit.drift);
 - outbox and dead letters: `agentbus_outbox_rows{schema}`,
   `agentbus_outbox_oldest_row_age_seconds{schema}`,
   `agentbus_dead_letters_total{consumer,subject}`.
@@ -83,6 +85,11 @@ CONSUMER_HANDLER_SECONDS = Histogram(
 CONSUMER_PENDING = Gauge(
     "agentbus_consumer_pending_messages",
     "Messages of the stream not yet delivered to the consumer (num_pending), sampled.",
+    ["consumer"],
+)
+CONSUMER_DRIFT = Counter(
+    "agentbus_consumer_drift_total",
+    "Times a durable consumer was found configured otherwise than declared, and put back.",
     ["consumer"],
 )
 OUTBOX_ROWS = Gauge(

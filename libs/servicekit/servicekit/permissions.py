@@ -8,9 +8,16 @@ The invariants it keeps (DESIGN.md, "Who may use the bus"):
   `_INBOX_<user>.>`: no user can read the replies meant for another;
 - only metering publishes deltas' text, only the log publishes events; the gateway
   publishes neither and cannot call `cmd.llm.turn|stream`;
-- `ops` reads streams and consumers, talks to `$SRV` and follows events, but cannot
-  delete, purge or create a stream, nor take or reconfigure a service's consumer;
-- `provision` alone creates, updates and deletes the agentbus streams;
+- `ops` reads streams and consumers, talks to `$SRV` and follows events, and creates
+  no consumer at all: the unnamed create (`$JS.API.CONSUMER.CREATE.<stream>`) takes the
+  consumer's name from the request's body, so a subject permission cannot keep it off
+  a service's durable, and any consumer can be made a push consumer delivering the
+  stream to any subject. It reads messages by (direct) get, and follows core subjects;
+- a service creates and updates only its own durables, by name; a service that reads a
+  stream through unnamed consumers of its own reads one where no service has a durable;
+- `provision` alone creates, updates and deletes the agentbus streams and KV buckets
+  (a bucket's owner writes keys, but cannot reshape its stream: `subjects` or
+  `republish` could capture or inject other traffic);
 - `admin` (tests and the local operator's tools) is unrestricted; `sys` is the
   system account's user, for `nats server report`.
 """
@@ -74,6 +81,8 @@ def durable_api(durable: catalog.Durable) -> list[str]:
         f"{JS_API}.CONSUMER.CREATE.{s}.{d}.>",
         f"{JS_API}.CONSUMER.DURABLE.CREATE.{s}.{d}",
         f"{JS_API}.CONSUMER.INFO.{s}.{d}",
+        # to create it again when it drifted in a way no update can undo (servicekit.drift)
+        f"{JS_API}.CONSUMER.DELETE.{s}.{d}",
         f"{JS_API}.CONSUMER.MSG.NEXT.{s}.{d}",
         f"$JS.ACK.{s}.{d}.>",
         # the message a MAX_DELIVERIES advisory names, to record it as a dead letter
@@ -92,7 +101,8 @@ def durable_advisories(durable: catalog.Durable) -> list[str]:
 
 
 def reader_api(stream: str) -> list[str]:
-    """Short-lived consumers of the reader's own on `stream` (never a durable of a service)."""
+    """Short-lived consumers of the reader's own on `stream`, which holds no durable (the
+    unnamed create cannot be kept off one: `readers_hold_no_durable`)."""
     return [
         f"{JS_API}.CONSUMER.CREATE.{stream}",
         f"{JS_API}.CONSUMER.CREATE.{stream}.>",
@@ -103,11 +113,9 @@ def reader_api(stream: str) -> list[str]:
 
 
 def bucket_api(bucket: str) -> list[str]:
-    """A KV bucket's owner: create it (set its TTL), read and write its keys."""
+    """A KV bucket's user: open it, read and write its keys (`provision` creates it)."""
     kv = f"KV_{bucket}"
     return [
-        f"{JS_API}.STREAM.CREATE.{kv}",
-        f"{JS_API}.STREAM.UPDATE.{kv}",
         f"{JS_API}.STREAM.INFO.{kv}",
         f"{JS_API}.STREAM.MSG.GET.{kv}",
         f"{JS_API}.DIRECT.GET.{kv}",
@@ -125,8 +133,22 @@ def micro_subjects(service: str) -> list[str]:
     ]
 
 
+def readers_hold_no_durable(accesses: list[Access]) -> None:
+    """Refuse a catalog where a service reads, through unnamed consumers, a stream on which
+    a service has a durable: the unnamed create could reconfigure that durable."""
+    durable_streams = {d.stream: d.name for a in accesses for d in a.durables}
+    for access in accesses:
+        for stream in access.reads:
+            if stream in durable_streams:
+                raise ValueError(
+                    f"{access.service} reads {stream} through unnamed consumers, which could "
+                    f"reconfigure the durable {durable_streams[stream]!r}: read it by get"
+                )
+
+
 def service_permissions(access: Access) -> Permissions:
     """A service's user: what it serves, calls, publishes and consumes, and no more."""
+    readers_hold_no_durable(catalog.ACCESS)
     publish = [
         *access.calls,
         *access.publishes,
@@ -153,34 +175,33 @@ def service_permissions(access: Access) -> Permissions:
     return Permissions(_unique(publish), _unique(subscribe))
 
 
+# What no `ops` request may do, denied over the allow list below in case it ever widens.
+OPS_DENIED = [
+    *(f"{JS_API}.STREAM.{verb}.>" for verb in ("CREATE", "UPDATE", "DELETE", "PURGE")),
+    f"{JS_API}.STREAM.MSG.DELETE.>",
+    f"{JS_API}.CONSUMER.CREATE.>",
+    f"{JS_API}.CONSUMER.DURABLE.CREATE.>",
+    f"{JS_API}.CONSUMER.DELETE.>",
+    f"{JS_API}.CONSUMER.MSG.NEXT.>",
+    f"{JS_API}.CONSUMER.PAUSE.>",
+]
+
+
 def ops_permissions() -> Permissions:
-    """Read-mostly, for the NATS CLI: streams, consumers, `$SRV`, and following events."""
-    every_durable = [d for a in catalog.ACCESS for d in a.durables]
-    deny = [f"{JS_API}.STREAM.{verb}.>" for verb in ("CREATE", "UPDATE", "DELETE", "PURGE")]
-    deny += [f"{JS_API}.STREAM.MSG.DELETE.>", f"{JS_API}.CONSUMER.DELETE.>"]
-    deny += [f"{JS_API}.CONSUMER.DURABLE.CREATE.>"]
-    for d in every_durable:
-        # creating a consumer of that name would reconfigure the service's; pulling
-        # from it would take the service's messages
-        deny += [
-            f"{JS_API}.CONSUMER.CREATE.{d.stream}.{d.name}",
-            f"{JS_API}.CONSUMER.CREATE.{d.stream}.{d.name}.>",
-            f"{JS_API}.CONSUMER.MSG.NEXT.{d.stream}.{d.name}",
-        ]
+    """Read-only, for the NATS CLI: stream and consumer info, messages by (direct) get,
+    `$SRV`, and following the live subjects. No consumer of its own (module docstring)."""
     publish = [
         f"{JS_API}.INFO",
         f"{JS_API}.STREAM.NAMES",
         f"{JS_API}.STREAM.LIST",
         f"{JS_API}.STREAM.INFO.*",
+        # `nats stream get`: the leader's copy, or any replica's (`allow_direct`)
         f"{JS_API}.STREAM.MSG.GET.*",
+        # `nats sub --stream EVENTS --direct …`: batched direct gets, no consumer
         f"{JS_API}.DIRECT.GET.>",
         f"{JS_API}.CONSUMER.NAMES.*",
         f"{JS_API}.CONSUMER.LIST.*",
         f"{JS_API}.CONSUMER.INFO.*.*",
-        # `nats stream view`: an ephemeral consumer of its own
-        f"{JS_API}.CONSUMER.CREATE.*",
-        f"{JS_API}.CONSUMER.CREATE.*.>",
-        f"{JS_API}.CONSUMER.MSG.NEXT.*.*",
         "$SRV.>",
         # who may spend: bindings and limits are the operator's to set
         *catalog.OPERATOR_COMMANDS,
@@ -194,13 +215,13 @@ def ops_permissions() -> Permissions:
         f"{subjects.DEAD_LETTER_PREFIX}.>",
         "$JS.EVENT.>",
     ]
-    return Permissions(_unique(publish), _unique(subscribe), _unique(deny))
+    return Permissions(_unique(publish), _unique(subscribe), _unique(OPS_DENIED))
 
 
 def provision_permissions() -> Permissions:
-    """The one user that creates, updates and deletes the agentbus streams."""
+    """The one user that creates, updates and deletes the agentbus streams and buckets."""
     publish = [f"{JS_API}.INFO", f"{JS_API}.STREAM.NAMES", f"{JS_API}.STREAM.LIST"]
-    for name in STREAM_NAMES:
+    for name in [*STREAM_NAMES, *(b.stream for b in streams.BUCKETS)]:
         publish += [
             f"{JS_API}.STREAM.{verb}.{name}" for verb in ("CREATE", "UPDATE", "DELETE", "INFO")
         ]

@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from contracts import streams
-from servicekit.bus import check_streams, connect_service
+from servicekit.bus import BucketNotProvisioned, check_streams, connect_service
 from servicekit.cancellation import stop
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate, pending_migrations
 from servicekit.logs import configure_logging, get_logger
@@ -231,6 +231,14 @@ def run_service(name: str, main: Awaitable[None] | Coroutine[Any, Any, None]) ->
                 await task
             except StreamsNotReady:
                 sys.exit(EXIT_NOT_PROVISIONED)  # already said in one log line
+            except BucketNotProvisioned as exc:
+                log.error(
+                    exc.code,
+                    service=name,
+                    bucket=exc.bucket,
+                    fix="run `agentbus provision` (make up does), then start the service again",
+                )
+                sys.exit(EXIT_NOT_PROVISIONED)
         log.info("service_stopped", service=name)
 
     # uvloop takes about a third off a NATS hop (DESIGN.md, latency budget).

@@ -29,7 +29,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,8 +45,16 @@ from nats.js.errors import NotFoundError, ServerError
 from contracts import streams, subjects
 from contracts.events import Event, EventType
 from contracts.session_events import EventsReply, ListEvents
-from servicekit.bus import provision_streams
+from servicekit.bus import provision_buckets, provision_streams
 from servicekit.client import call
+
+# The buckets as `agentbus provision` makes them, with a short TTL: a test that kills a
+# replica holding a lease sees it freed in seconds.
+TEST_BUCKET_TTL_SECONDS = 3.0
+TEST_BUCKETS = [
+    replace(spec, ttl_seconds=min(spec.ttl_seconds, TEST_BUCKET_TTL_SECONDS))
+    for spec in streams.BUCKETS
+]
 
 
 @dataclass
@@ -168,6 +176,7 @@ async def nats_url(servers: Servers) -> AsyncIterator[str]:
     for attempt in range(50):
         try:
             await provision_streams(js, streams.ALL)
+            await provision_buckets(js, TEST_BUCKETS)
             break
         except ServerError:
             if attempt == 49:

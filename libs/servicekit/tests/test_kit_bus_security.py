@@ -268,21 +268,3 @@ async def test_the_system_account_sees_the_servers(servers: Any) -> None:
         assert b"server" in reply.data
     finally:
         await sys_nc.close()
-
-
-async def test_ops_views_a_stream_through_consumers_of_its_own(
-    connect_as: ConnectAs, nc: Client
-) -> None:
-    ops, violations = await as_user(connect_as, "ops")
-    closing = subjects.event_subject(EventType.SESSION_CLOSED, "bakery", uuid.uuid4())
-    await nc.jetstream().publish(closing, b'{"viewed": true}')
-
-    ordered = await ops.jetstream().subscribe(closing, ordered_consumer=True)
-    pulled = await ops.jetstream().pull_subscribe(closing, stream=streams.EVENTS.name)
-    try:
-        assert (await ordered.next_msg(timeout=5)).data == b'{"viewed": true}'
-        [msg] = await pulled.fetch(1, timeout=5)
-        assert msg.data == b'{"viewed": true}'
-    finally:
-        await ordered.unsubscribe()
-    assert violations.errors == []

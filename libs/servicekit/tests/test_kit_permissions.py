@@ -19,6 +19,7 @@ from servicekit.permissions import (
     USERS,
     Permissions,
     permissions_of,
+    readers_hold_no_durable,
 )
 
 
@@ -99,7 +100,14 @@ PUBLISH = [
     ("criativo", "$JS.ACK.EVENTS.handoff-session-closings.1.2.3.4.5.6.7", False),
     ("criativo", "deadletter.criativo-inputs", True),
     ("criativo", "deadletter.handoff-session-closings", False),
-    ("criativo", "$JS.API.STREAM.CREATE.KV_criativo_leases", True),
+    # a bucket's user writes keys; `provision` alone makes and shapes its stream
+    ("criativo", "$JS.API.STREAM.CREATE.KV_criativo_leases", False),
+    ("criativo", "$JS.API.STREAM.UPDATE.KV_criativo_leases", False),
+    ("criativo", "$JS.API.STREAM.INFO.KV_criativo_leases", True),
+    # its own durable, created again when it drifted beyond an update; no one else's
+    ("criativo", "$JS.API.CONSUMER.DELETE.EVENTS.criativo-inputs", True),
+    ("criativo", "$JS.API.CONSUMER.DELETE.EVENTS.handoff-session-closings", False),
+    ("criativo", "$JS.API.CONSUMER.CREATE.EVENTS", False),
     ("criativo", "$KV.criativo_leases.some-session", True),
     ("criativo", "$JS.API.STREAM.CREATE.EVENTS", False),
     ("criativo", "$JS.API.STREAM.DELETE.KV_criativo_leases", False),
@@ -126,7 +134,17 @@ PUBLISH = [
     (OPS, "$JS.API.STREAM.INFO.EVENTS", True),
     (OPS, "$JS.API.STREAM.LIST", True),
     (OPS, "$JS.API.CONSUMER.INFO.EVENTS.criativo-inputs", True),
-    (OPS, "$JS.API.CONSUMER.CREATE.EVENTS.ephemeral123.chat.message.*.*", True),
+    (OPS, "$JS.API.DIRECT.GET.EVENTS", True),
+    (OPS, "$JS.API.STREAM.MSG.GET.EVENTS", True),
+    (OPS, "$JS.API.CONSUMER.LIST.EVENTS", True),
+    # no consumer at all: the unnamed create names it in its body, any can push anywhere
+    (OPS, "$JS.API.CONSUMER.CREATE.EVENTS", False),
+    (OPS, "$JS.API.CONSUMER.CREATE.EVENTS.ephemeral123", False),
+    (OPS, "$JS.API.CONSUMER.CREATE.EVENTS.ephemeral123.chat.message.*.*", False),
+    (OPS, "$JS.API.CONSUMER.DURABLE.CREATE.EVENTS.anything", False),
+    (OPS, "$JS.API.CONSUMER.MSG.NEXT.EVENTS.anything", False),
+    (OPS, "$JS.API.CONSUMER.PAUSE.EVENTS.criativo-inputs", False),
+    (OPS, "$JS.API.STREAM.UPDATE.KV_criativo_leases", False),
     (OPS, "$SRV.PING", True),
     (OPS, "$SRV.STATS.metering", True),
     (OPS, "$JS.API.STREAM.DELETE.EVENTS", False),
@@ -147,6 +165,8 @@ PUBLISH = [
     (PROVISION, "$JS.API.STREAM.UPDATE.DELTAS", True),
     (PROVISION, "$JS.API.STREAM.DELETE.DEADLETTERS", True),
     (PROVISION, "$JS.API.STREAM.DELETE.SOMEONE_ELSES", False),
+    (PROVISION, "$JS.API.STREAM.CREATE.KV_criativo_leases", True),
+    (PROVISION, "$JS.API.STREAM.UPDATE.KV_criativo_leases", True),
     (PROVISION, CLOSED, False),
     (PROVISION, subjects.SESSIONS_OPEN, False),
 ]
@@ -232,3 +252,12 @@ def test_admin_and_sys_are_unrestricted() -> None:
     assert permissions_of(SYSTEM) is None
     with pytest.raises(KeyError):
         permissions_of("nobody")
+
+
+def test_a_reader_never_reads_a_stream_holding_a_durable() -> None:
+    """The unnamed create a reader uses could reconfigure any consumer of its stream."""
+    reader = catalog.Access("reader", reads=(catalog.CRIATIVO_INPUTS.stream,))
+
+    with pytest.raises(ValueError, match="criativo-inputs"):
+        readers_hold_no_durable([*catalog.ACCESS, reader])
+    readers_hold_no_durable(catalog.ACCESS)

@@ -19,9 +19,7 @@ async def main(settings: CriativoSettings | None = None) -> None:
     """Run the session actors, fed by the log, until stopped."""
     settings = settings or CriativoSettings()
     async with svc.open(settings) as rt:
-        leases = await open_leases(
-            rt.js, settings.instance_id, settings.lease_ttl_seconds, settings.stream_replicas
-        )
+        leases = await open_leases(rt.js, settings.instance_id)
         turns = Turns(
             MeteringClient(
                 rt.nc,

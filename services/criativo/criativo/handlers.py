@@ -48,11 +48,9 @@ ROUTED = frozenset(
 
 
 class CriativoSettings(ServiceSettings):
-    """Criativo's own knobs (`AGENTBUS_IDLE_SECONDS`, `AGENTBUS_LEASE_TTL_SECONDS`, …)."""
+    """Criativo's own knobs (`AGENTBUS_IDLE_SECONDS`, `AGENTBUS_CRASH_LIMIT`, …)."""
 
     idle_seconds: float = 300.0
-    # A replica that dies holding a session frees it after this long.
-    lease_ttl_seconds: float = 15.0
     # Deliveries of one input that fail before the session is terminated abnormally.
     crash_limit: int = 3
     max_deliver: int = 8

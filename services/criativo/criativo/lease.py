@@ -30,17 +30,17 @@ from collections.abc import AsyncIterator
 from uuid import UUID
 
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from contracts import streams
 from servicekit.bus import Bucket
 from servicekit.logs import get_logger
 from servicekit.patience import is_unavailable
 
 log = get_logger(__name__)
 
-BUCKET = "criativo_leases"
+BUCKET = streams.LEASES.name
 RETRY_SECONDS = 0.02
 # How soon a renewal or release JetStream did not answer is tried again, and how many
 # times a release is.
@@ -50,17 +50,10 @@ RELEASE_ATTEMPTS = 5
 REMEMBERED_RELEASES = 10_000
 
 
-def bucket_config(ttl_seconds: float, replicas: int = 1) -> KeyValueConfig:
-    """The leases' bucket: a lease lives `ttl_seconds` unless renewed."""
-    return KeyValueConfig(bucket=BUCKET, ttl=ttl_seconds, history=1, replicas=replicas)
-
-
-async def open_leases(
-    js: JetStreamContext, instance: str, ttl_seconds: float, replicas: int = 1
-) -> SessionLeases:
-    """This instance's leases, the bucket created or its TTL brought to ours (replicas
-    share one setting)."""
-    return SessionLeases(await Bucket.open(js, bucket_config(ttl_seconds, replicas)), instance)
+async def open_leases(js: JetStreamContext, instance: str) -> SessionLeases:
+    """This instance's leases, in the bucket `agentbus provision` made (its TTL is the
+    bucket's); `BucketNotProvisioned` when there is none."""
+    return SessionLeases(await Bucket.open(js, BUCKET), instance)
 
 
 class SessionLeases:

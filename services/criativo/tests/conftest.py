@@ -7,15 +7,16 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import asyncpg
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
-from contracts import subjects
+from contracts import streams, subjects
 from contracts.common import ErrorCode
 from contracts.criativo import AgentDone
 from contracts.events import Event
@@ -45,6 +46,7 @@ from metering.providers.scripted import (
     ScriptStep,
 )
 from metering.testing import Metering, Starter
+from servicekit.bus import provision_buckets
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
 from servicekit.testing import log_events, running_service, subscribed, wait_for
@@ -259,6 +261,15 @@ class Driver:
         )
 
 
+async def provisioned_leases(
+    js: JetStreamContext, ttl_seconds: float, replicas: int = 1
+) -> JetStreamContext:
+    """`js`, after provisioning the leases' bucket with `ttl_seconds` (as `agentbus
+    provision` would: the test's own connection is admin, a service cannot)."""
+    await provision_buckets(js, [replace(streams.LEASES, ttl_seconds=ttl_seconds)], replicas)
+    return js
+
+
 def fast(nats_url: str, database_url: str) -> dict[str, Any]:
     return {"nats_url": nats_url, "database_url": database_url, "outbox_poll_seconds": 0.2}
 
@@ -267,7 +278,6 @@ def criativo_settings(nats_url: str, database_url: str, **overrides: Any) -> Cri
     values: dict[str, Any] = {
         **fast(nats_url, database_url),
         "retry_backoff_seconds": [0.2, 0.4, 0.8],
-        "lease_ttl_seconds": 3.0,
         **overrides,
     }
     return CriativoSettings(**values)

@@ -15,10 +15,12 @@ from nats.aio.msg import Msg
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from structlog.testing import capture_logs
 
-from criativo.lease import BUCKET, SessionLeases, bucket_config, open_leases
+from criativo.lease import BUCKET, SessionLeases, open_leases
 from servicekit.bus import Bucket, server_urls
 from servicekit.embedded import start_nats_cluster
 from servicekit.testing import wait_for
+
+from .conftest import provisioned_leases
 
 
 async def holder(nc: Client, session: uuid.UUID) -> bytes:
@@ -29,7 +31,7 @@ async def holder(nc: Client, session: uuid.UUID) -> bytes:
 async def test_a_replica_takes_a_session_it_released_again_without_reading_the_key(
     nc: Client,
 ) -> None:
-    leases = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
+    leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-a")
     session = uuid.uuid4()
     reads: list[str] = []
 
@@ -52,8 +54,8 @@ async def test_a_replica_takes_a_session_it_released_again_without_reading_the_k
 async def test_a_session_another_replica_held_since_is_taken_from_the_key_as_it_is(
     nc: Client,
 ) -> None:
-    a = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
-    b = await open_leases(nc.jetstream(), "replica-b", ttl_seconds=30)
+    a = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-a")
+    b = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
     session = uuid.uuid4()
     async with a.hold(session):
         pass
@@ -68,7 +70,7 @@ async def test_a_renewal_that_landed_but_went_unanswered_keeps_the_lease(nc: Cli
     holder's revision, in the holder's name: the next renewal finds it so and keeps the
     lease (it was taken for lost, freeing the session under a running turn), and the
     release still deletes it."""
-    leases = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=3)
+    leases = await open_leases(await provisioned_leases(nc.jetstream(), 3), "replica-a")
     session = uuid.uuid4()
     kv = await nc.jetstream().key_value(BUCKET)
     with capture_logs() as logged:
@@ -96,7 +98,7 @@ async def test_a_release_after_a_write_that_went_unanswered_still_frees_the_sess
     """The key moved past the holder's revision by its own write whose answer was lost (a
     renewal in its name, or the release itself): the release frees the session all the
     same, and says nothing failed."""
-    leases = await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
+    leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-a")
     kv = await nc.jetstream().key_value(BUCKET)
     renewed, released = uuid.uuid4(), uuid.uuid4()
     with capture_logs() as logged:
@@ -131,7 +133,8 @@ async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_uncondit
     and the lease was left for its TTL to free, holding the session's next input."""
     monkeypatch.setattr("criativo.lease.RETRY_SECONDS", 0.001)
     leases = SessionLeases(
-        await InFlightRefusals.open(nc.jetstream(), bucket_config(30)), "replica-a"
+        await InFlightRefusals.open(await provisioned_leases(nc.jetstream(), 30), BUCKET),
+        "replica-a",
     )
     session = uuid.uuid4()
     with capture_logs() as logged:
@@ -143,7 +146,7 @@ async def test_a_release_refused_while_the_key_is_still_ours_deletes_it_uncondit
     assert "lease_released_unconditionally" in events and "lease_release_failed" not in events
     [freed] = [e for e in logged if e["event"] == "lease_released_unconditionally"]
     assert "err_code=10164" in freed["last_refusal"]
-    other = await open_leases(nc.jetstream(), "replica-b", ttl_seconds=30)
+    other = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
     async with other.hold(session):
         assert await holder(nc, session) == b"replica-b"  # free for the next replica
 
@@ -155,7 +158,8 @@ async def test_a_renewal_refused_while_the_key_is_still_ours_renews_it_unconditi
     left it) wrote nothing: the TTL ran on, and the lease would expire under the turn."""
     ttl = 1.5  # renewed every 0.5 s: a second to spare on a loaded machine
     leases = SessionLeases(
-        await InFlightRefusals.open(nc.jetstream(), bucket_config(ttl)), "replica-a"
+        await InFlightRefusals.open(await provisioned_leases(nc.jetstream(), ttl), BUCKET),
+        "replica-a",
     )
     try:
         session = uuid.uuid4()
@@ -167,7 +171,7 @@ async def test_a_renewal_refused_while_the_key_is_still_ours_renews_it_unconditi
         assert len(renewals) >= 3
         assert not [e for e in logged if e["event"] in ("lease_lost", "lease_release_failed")]
     finally:  # the bucket's TTL is shared: back to the other tests'
-        await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30)
+        await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-a")
 
 
 async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() -> None:
@@ -183,7 +187,9 @@ async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() 
             async def opened() -> SessionLeases | None:
                 try:
                     js = nc.jetstream(timeout=2)
-                    return await open_leases(js, "replica-a", ttl_seconds=30, replicas=3)
+                    return await open_leases(
+                        await provisioned_leases(js, 30, replicas=3), "replica-a"
+                    )
                 except (nats.errors.Error, TimeoutError):
                     return None  # the cluster is still electing its leaders
 

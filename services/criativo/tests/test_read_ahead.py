@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client
 
 from contracts.events import AgentResponse, Event, EventType
-from criativo.lease import SessionLeases, bucket_config, open_leases
+from criativo.lease import BUCKET, SessionLeases, open_leases
 from criativo.session import SessionWork
 from criativo.turns import RecordRule, TurnOutcome, Turns
 from domain.criativo import Conversation
@@ -25,7 +25,7 @@ from harness import MeteringClient
 from servicekit.bus import Bucket
 from servicekit.sessionlog import SessionLogClient
 
-from .conftest import Driver
+from .conftest import Driver, provisioned_leases
 
 
 class WatchedLog(SessionLogClient):
@@ -96,10 +96,12 @@ async def test_a_read_taken_before_another_replica_held_the_session_is_read_agai
     driver: Driver, nc: Client
 ) -> None:
     session = await driver.open()
-    a_leases = LateLeases(await Bucket.open(nc.jetstream(), bucket_config(30)), "replica-a")
+    a_leases = LateLeases(
+        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET), "replica-a"
+    )
     a = await replica(driver, nc, a_leases)
     log, turns = a.log, a.turns
-    b_leases = await open_leases(nc.jetstream(), "replica-b", ttl_seconds=30)
+    b_leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
     conv = await a.work.catch_up(Conversation(session))
     async with a_leases.hold(session) as resumed:  # A released it last: it may resume
         assert not resumed
@@ -132,7 +134,9 @@ async def test_a_resumed_lease_answers_on_the_one_read_that_went_out_with_it(
     driver: Driver, nc: Client
 ) -> None:
     session = await driver.open()
-    a = await replica(driver, nc, await open_leases(nc.jetstream(), "replica-a", ttl_seconds=30))
+    a = await replica(
+        driver, nc, await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-a")
+    )
     conv = await a.work.catch_up(Conversation(session))
     first = await message_event(driver, session, "um")
     conv = await a.work.handle(conv, first, deliveries=1)  # takes the lease anew

@@ -17,7 +17,6 @@ from servicekit.testing import wait_for
 from .conftest import Driver, StartCriativo
 
 FAST_RETRIES = {
-    "AGENTBUS_LEASE_TTL_SECONDS": "2",
     "AGENTBUS_RETRY_BACKOFF_SECONDS": "[0.2, 0.4, 0.8]",
     "AGENTBUS_OUTBOX_POLL_SECONDS": "0.2",
 }

@@ -166,7 +166,7 @@ async def gateway(
         ]:
             await stack.enter_async_context(running_service(main, nc, name))
         await start_metering(provider=ScriptedProvider(script))
-        criativo = CriativoSettings(**base, lease_ttl_seconds=3.0)
+        criativo = CriativoSettings(**base)
         await stack.enter_async_context(running_service(criativo_main(criativo), nc, "criativo"))
         psych = PsychologistSettings(**base)
         await stack.enter_async_context(
