@@ -203,7 +203,7 @@ def ops_permissions() -> Permissions:
         f"{JS_API}.CONSUMER.LIST.*",
         f"{JS_API}.CONSUMER.INFO.*.*",
         "$SRV.>",
-        # who may spend: bindings and limits are the operator's to set
+        # who may spend, on which model: the operator reads and sets bindings and limits
         *catalog.OPERATOR_COMMANDS,
     ]
     # by domain, as an operator types it: `nats sub 'handoff.>'`
