@@ -99,7 +99,7 @@ class BodyLimit:
     A declared `Content-Length` over the limit is refused without reading the body. A
     chunked body is read up to the limit, counting, and handed on whole only if it fits:
     a handler that never reads its body (opening a session) would otherwise act first.
-    Pure ASGI, so a request under the limit costs one header lookup.
+    Pure ASGI: a request that declares its length costs one pass over its headers.
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
