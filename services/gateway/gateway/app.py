@@ -26,7 +26,8 @@ from starlette.websockets import WebSocket
 from gateway.auth import load_secret
 from gateway.bus import Commands
 from gateway.fanout import Fanout
-from gateway.http import routes
+from gateway.headers import SecurityHeaders
+from gateway.http import BodyLimit, routes
 from gateway.presence import Presence
 from gateway.server import serving_http
 from gateway.settings import GatewaySettings
@@ -71,7 +72,11 @@ class _Sockets:
 
 
 def build_app(hub: Hub) -> ASGIApp:
-    """The ASGI application: WebSocket, API, and the web client's static files."""
+    """The ASGI application: WebSocket, API, and the web client's static files.
+
+    Every HTTP response, the errors and 404s included, carries the security headers;
+    a body over the limit is refused before Starlette sees the request.
+    """
 
     async def healthz(_: Request) -> Response:
         return JSONResponse({"ok": True})
@@ -83,7 +88,8 @@ def build_app(hub: Hub) -> ASGIApp:
             Mount("/", StaticFiles(directory=WEB, html=True), name="web"),
         ]
     )
-    served: ASGIApp = _Sockets(hub, app)
+    guarded = SecurityHeaders(BodyLimit(app, hub.settings.max_body_bytes))
+    served: ASGIApp = _Sockets(hub, guarded)
     if tracing_on():
         # Only when spans are recorded: the middleware costs time on every request even
         # unrecorded. A span per request and per WebSocket connection, none per message

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts import catalog
 from contracts.common import ErrorBody, ErrorCode, ErrorReply
@@ -89,6 +90,95 @@ def status_of(code: str) -> int:
     if code in UNPROCESSABLE:
         return 422
     return 400
+
+
+class BodyLimit:
+    """Refuses a request whose body is over `limit` bytes with 413 `payload_too_large`,
+    before the app sees any of it (and so before anything is written).
+
+    A declared `Content-Length` over the limit is refused without reading the body. A
+    chunked body is read up to the limit, counting, and handed on whole only if it fits:
+    a handler that never reads its body (opening a session) would otherwise act first.
+    Pure ASGI: a request that declares its length costs one pass over its headers.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self._app = app
+        self._limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        length = chunked = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"transfer-encoding":
+                chunked = value
+        if length is not None:
+            # the server refused a malformed length already; it delivers no more than it
+            if int(length) > self._limit:
+                await self._refuse(send)
+                return
+        elif chunked is not None:
+            try:
+                body = await self._read(receive)
+            except _ClientGone:
+                return  # no one to answer, and nothing whole to act on
+            if body is None:
+                await self._refuse(send)
+                return
+            receive = _replay(body, receive)
+        await self._app(scope, receive, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes the limit (the rest is left unread)."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self._limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _refuse(self, send: Send) -> None:
+        error = ErrorBody(
+            code=ErrorCode.PAYLOAD_TOO_LARGE,
+            message=f"a request body may be {self._limit} bytes at most",
+            details={"limit_bytes": self._limit},
+        )
+        body = ErrorReply(error=error).model_dump_json().encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        status = status_of(ErrorCode.PAYLOAD_TOO_LARGE)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its body was whole."""
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` that gives `body` (already read) first, then what the server sends next
+    (the disconnect)."""
+    pending = [body]
+
+    async def replayed() -> Message:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:

@@ -21,6 +21,9 @@ class GatewaySettings(ServiceSettings):
     # log reaps a session after `AGENTBUS_HEARTBEAT_TIMEOUT_SECONDS` (default 60).
     heartbeat_interval_seconds: float = 10.0
     max_frame_bytes: int = 64 * 1024
+    # An HTTP request's body: the largest the API takes (a binding) is well under 1 KiB.
+    # Past it: 413 `payload_too_large`, before the body is read.
+    max_body_bytes: int = 64 * 1024
     # Frames waiting to be written to one client. A client that falls this far behind
     # (a stalled tab, a dead network) is disconnected with 1013 and resumes with
     # `after_seq` when it comes back, rather than making the gateway hold its backlog.

@@ -3,12 +3,15 @@ steps a person takes there, and the turns a test plays itself."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page
+from playwright.async_api import Browser, BrowserContext, ConsoleMessage, Page, ViewportSize
 
 from contracts import subjects
 from contracts.events import EventType
@@ -32,6 +35,61 @@ ARGS = [
 ]
 INSTALLED = Path(CHROMIUM).exists()
 ARTIFACTS = Path(os.environ.get("AGENTBUS_ARTIFACTS", ".artifacts")) / "browser"
+
+
+# Every Content-Security-Policy violation a page reports, as a console error: the page
+# must need nothing its policy refuses, so an inline script or style added later, or a
+# sanitizer that lets a fetch through, fails the test that meets it. (Playwright's
+# `wait_for_function` evaluates its predicate with `eval`, which the policy refuses: the
+# tests wait on locators instead.)
+CSP_VIOLATION = "CSP violation:"
+REPORT_CSP_VIOLATIONS = f"""
+document.addEventListener("securitypolicyviolation", (e) => {{
+  const what = {{
+    directive: e.effectiveDirective, blocked: e.blockedURI,
+    source: (e.sourceFile || "").split("?")[0], line: e.lineNumber, sample: e.sample,
+    page: location.pathname,  // not the query: the first page's holds the token
+  }};
+  console.error("{CSP_VIOLATION} " + JSON.stringify(what));
+}}, true);
+"""
+# DOMPurify works on untrusted HTML in an inert document (DOMParser), and Chromium checks
+# that document's inline handlers, styles and <style> elements against the page's policy
+# as DOMPurify parses and prunes it, and reports them, though they never apply or run.
+# Those reports (their source is DOMPurify) are left out; what DOMPurify lets through
+# to the page is checked in the rendered DOM by the hostile-output test.
+SANITIZER = "/vendor/purify.es.mjs"
+
+
+def counts(violation: dict[str, Any]) -> bool:
+    """Whether a reported violation is the page's own (not DOMPurify's work on its input)."""
+    return not str(violation["source"]).endswith(SANITIZER)
+
+
+@dataclass
+class Browsing:
+    """Chromium, whose every page reports its CSP violations into `violations` (the
+    `browser` fixture fails a test that leaves any)."""
+
+    browser: Browser
+    violations: list[str] = field(default_factory=list)
+
+    def _console(self, message: ConsoleMessage) -> None:
+        if message.type == "error" and message.text.startswith(CSP_VIOLATION):
+            violation = json.loads(message.text.removeprefix(CSP_VIOLATION))
+            if counts(violation):
+                self.violations.append(message.text)
+
+    async def new_context(self, viewport: ViewportSize | None = None) -> BrowserContext:
+        context = await self.browser.new_context(viewport=viewport)
+        await context.add_init_script(REPORT_CSP_VIOLATIONS)
+        context.on("console", self._console)
+        return context
+
+    async def new_page(self, viewport: ViewportSize | None = None) -> Page:
+        """A page in a context of its own, as `Browser.new_page` makes."""
+        context = await self.new_context(viewport)
+        return await context.new_page()
 
 
 def slow_script(answer: str) -> Script:
@@ -73,7 +131,7 @@ async def open_session_page(gateway: Gateway, page: Page) -> None:
     )
 
 
-async def criativo_page(gateway: Gateway, browser: Browser) -> tuple[Page, list[str]]:
+async def criativo_page(gateway: Gateway, browser: Browsing) -> tuple[Page, list[str]]:
     """A new page on a new session with Criativo started, and the page's errors."""
     page = await browser.new_page()
     problems = watch_errors(page)
@@ -87,12 +145,8 @@ async def say(page: Page, text: str) -> None:
 
 
 async def streamed_words(page: Page, at_least: int) -> None:
-    await page.wait_for_function(
-        f"""() => {{
-          const live = document.querySelector('.msg.agent.streaming');
-          return live && live.textContent.split(' ').length >= {at_least};
-        }}"""
-    )
+    words = re.compile(rf"^\s*(?:\S+\s+){{{at_least - 1}}}\S")
+    await page.locator(".msg.agent.streaming", has_text=words).wait_for()
 
 
 async def responses(page: Page, n: int) -> None:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from playwright.async_api import Browser, async_playwright
+from playwright.async_api import async_playwright
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -36,7 +36,7 @@ from servicekit.testing import running_service, wait_for
 from session_events.app import LogSettings
 from session_events.app import main as log_main
 
-from .browsing import ARGS, CHROMIUM, INSTALLED
+from .browsing import ARGS, CHROMIUM, INSTALLED, Browsing
 
 SECRET = "test-secret-" + "x" * 40
 
@@ -185,10 +185,13 @@ async def gateway(
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def browser() -> AsyncIterator[Browser]:
-    """Debian's headless Chromium (only the browser tests ask for it)."""
+async def browser() -> AsyncIterator[Browsing]:
+    """Debian's headless Chromium (only the browser tests ask for it); a test whose pages
+    met a Content-Security-Policy violation fails."""
     assert INSTALLED, "Debian's chromium is missing: .ci/run installs it"
     async with async_playwright() as pw:
         chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        yield chromium
+        browsing = Browsing(chromium)
+        yield browsing
         await chromium.close()
+    assert browsing.violations == [], browsing.violations

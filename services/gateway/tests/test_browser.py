@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 from nats.aio.client import Client
-from playwright.async_api import Browser, WebSocketRoute
+from playwright.async_api import WebSocketRoute
 
 from contracts.events import EventType
 from metering.providers.scripted import Script
 from servicekit.testing import wait_for
 
 from .browsing import (
+    Browsing,
     append,
     chat_texts,
     criativo_page,
@@ -52,7 +53,7 @@ def script() -> Script:
 
 
 @pytest.mark.timeout(180)
-async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browser) -> None:
+async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browsing) -> None:
     page = await browser.new_page()
     problems = watch_errors(page)
     await page.goto(f"{gateway.url}/?token={gateway.token()}")
@@ -127,7 +128,7 @@ new MutationObserver(() => {
 
 @pytest.mark.timeout(120)
 async def test_an_answer_survives_a_dropped_socket_and_a_reload_whole_and_once(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     page, problems = await criativo_page(gateway, browser)
     await page.evaluate(RECORD_STREAMING)
@@ -163,13 +164,13 @@ async def test_an_answer_survives_a_dropped_socket_and_a_reload_whole_and_once(
 
 @pytest.mark.timeout(120)
 async def test_two_messages_typed_back_to_back_are_each_answered_once_in_order(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     page, _ = await criativo_page(gateway, browser)
     await say(page, "primeiro pedido: entregas na segunda")
     await say(page, "segundo pedido: pagamentos na sexta")
     await responses(page, 2)
-    await page.wait_for_function("document.querySelectorAll('.msg.streaming').length === 0")
+    await page.locator(".msg.streaming").first.wait_for(state="detached")
     bubbles = await chat_texts(page)
     # Both were said before the first answer came: the chat shows the log's order.
     said = [text for kind, text in bubbles if kind == "user"]
@@ -188,7 +189,7 @@ async def test_two_messages_typed_back_to_back_are_each_answered_once_in_order(
 
 @pytest.mark.timeout(120)
 async def test_a_message_typed_while_disconnected_is_sent_on_reconnect(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     context = await browser.new_context()
     page = await context.new_page()
@@ -217,7 +218,7 @@ async def test_a_message_typed_while_disconnected_is_sent_on_reconnect(
 
 @pytest.mark.timeout(60)
 async def test_the_brief_is_shown_being_written_then_as_its_card(
-    gateway: Gateway, browser: Browser, nc: Client
+    gateway: Gateway, browser: Browsing, nc: Client
 ) -> None:
     page = await browser.new_page()
     session = await session_on_page(gateway, page)
@@ -226,9 +227,7 @@ async def test_the_brief_is_shown_being_written_then_as_its_card(
     words = ['{"title": ', '"Receitas", ', '"summary": ', '"Um app"}']
     await play_deltas(nc, gateway, session, readiness, "criativo.consolidation.1", words)
     writing = page.locator(".brief-writing")
-    await page.wait_for_function(
-        "document.querySelector('.brief-writing')?.textContent.includes('Um app')"
-    )
+    await writing.filter(has_text="Um app").wait_for()
     assert "Writing the brief" in (await writing.text_content() or "")
     await shot(page, "9-brief-being-written")
     brief: dict[str, object] = {"title": "Receitas", "summary": "Um app de receitas"}
@@ -240,7 +239,7 @@ async def test_the_brief_is_shown_being_written_then_as_its_card(
 
 @pytest.mark.timeout(60)
 async def test_stop_in_the_browser_ends_the_answer_where_it_was(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     page, _ = await criativo_page(gateway, browser)
     assert await page.locator("#stop").is_hidden()  # nothing streams yet
@@ -259,7 +258,7 @@ async def test_stop_in_the_browser_ends_the_answer_where_it_was(
 
 @pytest.mark.timeout(120)
 async def test_a_message_sent_into_a_dead_socket_survives_a_reload_and_is_sent_once(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     """The socket looks open but nothing answers (a half-dead network): the message waits
     as pending, is kept across a reload, and is sent again from the reloaded page."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from playwright.async_api import Browser, Locator, Page, Request, WebSocketRoute
+from playwright.async_api import Locator, Page, Request, WebSocketRoute
 
 from contracts import subjects
 from contracts.events import EventType
@@ -24,6 +24,7 @@ from servicekit.client import call
 from servicekit.testing import wait_for
 
 from .browsing import (
+    Browsing,
     append,
     criativo_page,
     event_id,
@@ -60,7 +61,8 @@ def script() -> Script:
 
 async def axe_problems(page: Page) -> list[str]:
     """axe-core's serious and critical violations on the page as it is now."""
-    await page.add_script_tag(path=str(AXE))
+    # evaluated, not added as a <script>: the page's policy refuses inline script
+    await page.evaluate(AXE.read_text(encoding="utf-8"))
     found: list[dict[str, Any]] = await page.evaluate(
         """async () => {
           const r = await axe.run(document, { resultTypes: ["violations"] });
@@ -76,7 +78,7 @@ async def axe_problems(page: Page) -> list[str]:
 
 @pytest.mark.timeout(90)
 async def test_markdown_renders_and_a_hostile_message_and_answer_stay_inert(
-    gateway: Gateway, browser: Browser, nc: Client
+    gateway: Gateway, browser: Browsing, nc: Client
 ) -> None:
     page = await browser.new_page()
     problems = watch_errors(page)
@@ -118,7 +120,7 @@ async def test_markdown_renders_and_a_hostile_message_and_answer_stay_inert(
 
 @pytest.mark.timeout(90)
 async def test_the_writing_indicator_enter_and_shift_enter(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     page, problems = await criativo_page(gateway, browser)
     writing = page.locator("#writing")
@@ -181,7 +183,7 @@ FRAMES = "new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r
 
 @pytest.mark.timeout(90)
 async def test_a_reader_who_scrolled_up_is_left_there_and_one_at_the_end_follows(
-    gateway: Gateway, browser: Browser, nc: Client
+    gateway: Gateway, browser: Browsing, nc: Client
 ) -> None:
     page = await browser.new_page(viewport={"width": 400, "height": 500})
     session = await session_on_page(gateway, page)
@@ -196,9 +198,7 @@ async def test_a_reader_who_scrolled_up_is_left_there_and_one_at_the_end_follows
     await page.evaluate("document.getElementById('chat').scrollTop = 0")
     await page.evaluate(FRAMES)
     await said_elsewhere(nc, session, "SLOW from another tab")
-    await page.wait_for_function(
-        "document.querySelector('.msg.agent.streaming')?.textContent.includes('word10')"
-    )
+    await page.locator(".msg.agent.streaming", has_text="word10").wait_for()
     assert await page.evaluate("document.getElementById('chat').scrollTop") == 0
     await responses(page, 4)
     assert await page.evaluate("document.getElementById('chat').scrollTop") == 0
@@ -214,7 +214,7 @@ async def test_a_reader_who_scrolled_up_is_left_there_and_one_at_the_end_follows
 
 @pytest.mark.timeout(60)
 async def test_the_token_moves_from_the_address_into_session_storage(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     page = await browser.new_page()
     token = gateway.token()
@@ -229,7 +229,7 @@ async def test_the_token_moves_from_the_address_into_session_storage(
 
 @pytest.mark.timeout(240)
 async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
-    gateway: Gateway, browser: Browser
+    gateway: Gateway, browser: Browsing
 ) -> None:
     """One whole session, then every page checked by axe, light and dark, desk and phone."""
     page, problems = await criativo_page(gateway, browser)
@@ -368,7 +368,7 @@ async def offer_on_page(gateway: Gateway, page: Page, nc: Client) -> tuple[Hando
 
 @pytest.mark.timeout(120)
 async def test_a_handoff_decided_with_a_double_click_is_decided_once_without_an_error(
-    gateway: Gateway, browser: Browser, nc: Client
+    gateway: Gateway, browser: Browsing, nc: Client
 ) -> None:
     """A double click on Accept decides the offer once: the buttons go with the first
     click, and the person sees the offer accepted, not an `invalid_transition` for a
@@ -389,7 +389,7 @@ async def test_a_handoff_decided_with_a_double_click_is_decided_once_without_an_
 
 @pytest.mark.timeout(120)
 async def test_an_offer_decided_elsewhere_while_shown_here_is_no_error_here(
-    gateway: Gateway, browser: Browser, nc: Client
+    gateway: Gateway, browser: Browsing, nc: Client
 ) -> None:
     """Another tab (or person) accepted the offer, and its event has not reached this page
     yet: Accept here is refused `invalid_transition`, which the page does not show as a

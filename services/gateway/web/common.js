@@ -50,16 +50,62 @@ export function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-// Markdown written by a model or a person, as safe DOM: marked renders it, DOMPurify keeps
-// only inert HTML (no script, no handler attributes, no javascript: links; no SVG or MathML;
-// no images, so an answer cannot make the browser fetch a URL). Never innerHTML of anything.
-const PURIFY = { USE_PROFILES: { html: true }, FORBID_TAGS: ["img", "style", "form", "input", "button", "textarea", "select"], RETURN_DOM_FRAGMENT: true };
+// Markdown written by a model or a person, as inert DOM: marked renders it, DOMPurify keeps
+// only the elements markdown makes that load nothing and cover nothing. None of: a style,
+// id or class attribute (a box drawn over the page, a fetch from a CSS url()), images or
+// other media, srcset, frames, objects, forms, dialogs, details (text hidden from the
+// reader), SVG or MathML. A link keeps an http(s) or mailto address only. The page's
+// Content-Security-Policy would block what slipped through; this keeps it from trying.
+// Never innerHTML of anything.
+const PURIFY = {
+  ALLOWED_TAGS: [
+    "p", "br", "hr", "strong", "b", "em", "i", "del", "s", "code", "pre", "kbd", "sub", "sup",
+    "blockquote", "ul", "ol", "li", "h1", "h2", "h3", "h4", "h5", "h6", "a",
+    "table", "thead", "tbody", "tr", "th", "td",
+  ],
+  // `start`: where an ordered list begins; `align`: a table column's (both inert values)
+  ALLOWED_ATTR: ["href", "title", "start", "align"],
+  ADD_URI_SAFE_ATTR: ["start", "align"],
+  ALLOWED_URI_REGEXP: /^(?:https?|mailto):/i,
+  ALLOW_DATA_ATTR: false,
+  ALLOW_ARIA_ATTR: false,
+  RETURN_DOM_FRAGMENT: true,
+};
 marked.use({ gfm: true, breaks: true });
-DOMPurify.addHook("afterSanitizeAttributes", (node) => {
-  if (node.tagName === "A") { node.setAttribute("target", "_blank"); node.setAttribute("rel", "noopener noreferrer"); }
-});
+const LINKABLE = new Set(["http:", "https:", "mailto:"]);
+const SCHEME = /^[a-z][a-z0-9+.-]*:/i;
+// Text a reader takes for an address: "example.com", "www.example.com/x", "https://…".
+const ADDRESS_LIKE = /^(?:[a-z][a-z0-9+.-]*:\/\/)?(?:[\w-]+\.)+[a-z][\w-]+(?::\d+)?(?:[/?#]\S*)?$/i;
+
+function named(text) {
+  try { return new URL(SCHEME.test(text) ? text : `http://${text}`); } catch { return null; }
+}
+
+// A link says where it goes: its whole address as its title, its host (or mail address)
+// beside its text; a text that reads as another address is replaced by the real one,
+// so "[https://your-bank.example](https://elsewhere.example)" shows elsewhere.example.
+function showWhereItGoes(a) {
+  const url = named(a.getAttribute("href") || "");
+  if (!url || !LINKABLE.has(url.protocol)) { a.removeAttribute("href"); a.removeAttribute("title"); return; }
+  a.setAttribute("target", "_blank");
+  a.setAttribute("rel", "noopener noreferrer");
+  a.title = url.href;
+  const text = a.textContent.trim();
+  if (url.protocol === "mailto:") {
+    let address = url.pathname;
+    try { address = decodeURIComponent(address); } catch { /* shown as written */ }
+    if (!text || (text.includes("@") && text !== address)) a.textContent = address;
+    else if (text !== address) a.after(el("span", { class: "link-host" }, ` (${address})`));
+    return;
+  }
+  const said = ADDRESS_LIKE.test(text) ? named(text) : null;
+  if (!text || (said && said.host !== url.host)) a.textContent = url.href;
+  else if (!said) a.after(el("span", { class: "link-host" }, ` (${url.host})`));
+}
+
 export function markdown(text) {
   const fragment = DOMPurify.sanitize(marked.parse(text || ""), PURIFY);
+  for (const a of fragment.querySelectorAll("a")) showWhereItGoes(a);
   // marked puts a newline between blocks: not part of what was said
   for (const node of [...fragment.childNodes]) {
     if (node.nodeType === Node.TEXT_NODE && !node.textContent.trim()) node.remove();
