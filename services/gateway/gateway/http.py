@@ -241,19 +241,6 @@ def _uuid(request: Request, name: str) -> uuid.UUID:
         raise DomainError(ErrorCode.INVALID_REQUEST, f"{name} is not a uuid") from None
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise DomainError(ErrorCode.MALFORMED_JSON, f"body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise DomainError(ErrorCode.INVALID_REQUEST, "body must be a JSON object")
-    return body
-
-
 def _parse(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)

@@ -316,6 +316,13 @@ async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
     headers = await page.locator("#usage th").all_text_contents()
     assert {"cache read", "cache write", "cache share"} <= set(headers), headers
     assert await page.locator("#usage tbody tr").count() >= 2  # criativo and the psychologist
+    # Limits: the project's and the person's in force, with what today's calls used.
+    day = page.locator('#limits tr[data-limit="project/micros/day"]')
+    assert (await day.locator("td").first.text_content()) == f"project {gateway.project}"
+    assert float(await day.locator("meter").get_attribute("value") or 0) > 0
+    assert await page.locator('#limits tr[data-limit^="person/"]').count() == 4
+    mine = page.locator('#limits tr[data-limit="person/micros/month"] td')
+    assert await mine.first.text_content() == "you (ana)"
 
     pages = {
         "sessions": "/",

@@ -71,7 +71,8 @@ async def test_every_kind_of_response_carries_the_security_headers(gateway: Gate
             (await http.get("/healthz"), 200),
             (await http.get(api), 200),  # the API
             (await http.get(f"{api}/sessions/{session}/events"), 200),
-            (await http.put(f"{api}/bindings", content=b"{nope"), 422),  # its refusals
+            (await http.get(f"{api}/sessions/not-a-uuid"), 422),  # its refusals
+            (await http.put(f"{api}/bindings", json={}), 403),
             (await http.get(f"/api/projects/{gateway.project}-other"), 403),
             (await http.get("/no-such-page.html"), 404),  # 404s
             (await http.get(f"{api}/no-such-route"), 404),
@@ -188,19 +189,20 @@ async def test_a_chunked_body_over_the_limit_is_refused_and_nothing_is_opened(
 async def test_bodies_up_to_the_limit_declared_or_chunked_are_read_whole(
     gateway: Gateway,
 ) -> None:
-    binding = json.dumps({"scope": "project", "model": "claude-haiku-4-5"}).encode()
-    at_limit = binding + b" " * (LIMIT - len(binding))
-    api = f"/api/projects/{gateway.project}/bindings"
+    body = json.dumps({"title": "a session"}).encode()
+    at_limit = body + b" " * (LIMIT - len(body))
+    api = f"/api/projects/{gateway.project}/sessions"
 
     async def chunked() -> AsyncIterator[bytes]:
         for start in range(0, LIMIT, 4096):
             yield at_limit[start : start + 4096]
 
     async with gateway.http() as http:
-        r = await http.put(api, content=at_limit)
-        assert r.status_code == 200, r.text
-        r = await http.put(api, content=chunked())
+        r = await http.post(api, content=at_limit)
+        assert r.status_code == 201, r.text
+        r = await http.post(api, content=chunked())
         assert r.request.headers.get("transfer-encoding") == "chunked"
-        assert r.status_code == 200, r.text
-        r = await http.put(api, content=at_limit + b" ")
+        assert r.status_code == 201, r.text
+        r = await http.post(api, content=at_limit + b" ")
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    assert len(await sessions(gateway)) == 2

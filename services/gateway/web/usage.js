@@ -1,5 +1,6 @@
-// Usage: cost per day as a chart, and calls, tokens and cost per agent and model.
-import { api, el, header, token } from "/common.js";
+// Usage: the limits in force and their use, cost per day as a chart, and calls, tokens
+// and cost per agent and model.
+import { api, el, header, timeEl, token } from "/common.js";
 await header();
 const SVG = "http://www.w3.org/2000/svg";
 const usd = (micros) => `$${(micros / 1e6).toFixed(4)}`;
@@ -38,8 +39,32 @@ function chart(days) {
   figure.replaceChildren(chartSvg, el("figcaption", { id: "chart-caption", class: "visually-hidden" }, `Cost per day: ${caption}`));
 }
 
+// What each limit in force has used in its current window (held: calls in flight).
+const WHAT = {
+  "micros/day": "spend today", "micros/month": "spend this month",
+  "requests/minute": "model calls this minute", "tokens/minute": "tokens this minute",
+};
+function limits(status) {
+  const figure = (u, v) => (u.metric === "micros" ? usd(v) : v.toLocaleString());
+  const rows = status.limits.map((u) => {
+    const used = u.used + u.held;
+    const share = u.limit ? Math.min(1, used / u.limit) : 1;
+    const whose = u.scope === "project" ? `project ${u.name}` : `you (${u.name})`;
+    return el("tr", { "data-limit": `${u.scope}/${u.metric}/${u.window}`, class: used >= u.limit ? "exhausted" : "" },
+      el("td", {}, whose), el("td", {}, WHAT[`${u.metric}/${u.window}`] || `${u.metric} per ${u.window}`),
+      el("td", { class: "num" }, figure(u, used)), el("td", { class: "num" }, figure(u, u.limit)),
+      el("td", {}, el("meter", { min: "0", max: "1", low: "0.8", high: "0.95", optimum: "0", value: String(share), "aria-label": `${Math.round(share * 100)}% used` })),
+      el("td", {}, timeEl(u.resets_at, u.window !== "minute")));
+  });
+  const body = document.querySelector("#limits tbody");
+  if (rows.length) body.replaceChildren(...rows);
+  else body.replaceChildren(el("tr", {}, el("td", { colspan: "6" }, "No limits are set.")));
+}
+
 if (token) {
-  const [byDay, byModel] = await Promise.all([api("/usage?group_by=day"), api("/usage?group_by=agent,model")]);
+  const [byDay, byModel, status] = await Promise.all([
+    api("/usage?group_by=day"), api("/usage?group_by=agent,model"), api("/limits")]);
+  limits(status);
   chart(byDay.groups);
   const num = (v) => el("td", { class: "num" }, v);
   document.querySelector("#usage tbody").replaceChildren(...byModel.groups.map((g) => el("tr", {},
