@@ -609,6 +609,15 @@ class MeteringRepository:
         )
         return [_binding(r) for r in rows]
 
+    async def project_spend(self) -> list[CounterUse]:
+        """Every project's spend counters of the windows open now (day and month)."""
+        rows = await self._pool.fetch(
+            """SELECT scope, name, metric, win, used, held, "limit" FROM usage_counters
+                WHERE scope = 'project' AND metric = 'micros'
+                  AND starts = date_trunc(win, now(), 'UTC')"""
+        )
+        return [CounterUse(*r.values()) for r in rows]
+
     async def set_limits(self, cmd: SetLimits) -> LimitsSetReply:
         """Create or replace the limits at one level (a project, a person, or a default)."""
         lim = cmd.limits

@@ -16,6 +16,7 @@ import asyncpg
 
 from domain.metering import settle
 from metering.repository import MeteringRepository
+from metering.turns import observe_spend
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
@@ -46,10 +47,13 @@ async def sweep_once(repo: MeteringRepository, older_than_seconds: float) -> int
 async def run_sweeper(
     repo: MeteringRepository, older_than_seconds: float, interval_seconds: float
 ) -> None:
-    """Sweep every `interval_seconds` until cancelled; a database outage only delays it."""
+    """Sweep every `interval_seconds` until cancelled, and read the projects' spend into
+    their budget gauges (a window that ended resets them); a database outage only delays
+    it."""
     while True:
         try:
             await sweep_once(repo, older_than_seconds)
+            observe_spend(await repo.project_spend(), whole=True)
         except (asyncpg.PostgresError, OSError) as exc:
             log.warning("hold_sweep_failed", error=repr(exc))
         await asyncio.sleep(interval_seconds)

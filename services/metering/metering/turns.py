@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from uuid import UUID
@@ -59,6 +59,7 @@ from metering.providers.base import (
 )
 from metering.repository import (
     Bill,
+    CounterUse,
     EndedTurn,
     MeteringRepository,
     StoredRun,
@@ -123,7 +124,16 @@ class Hold:
 
 def observe_limits(bill: Bill) -> None:
     """Set the project's budget gauges from the counters its bill settled."""
-    for c in bill.counters:
+    observe_spend(bill.counters)
+
+
+def observe_spend(counters: Iterable[CounterUse], *, whole: bool = False) -> None:
+    """Set the project budget gauges from spend counters; `whole`: these are all of the
+    windows open now, so a gauge of a window that ended (or a project without a limit
+    any more) is dropped rather than left at its last figure."""
+    if whole:
+        PROJECT_BUDGET_USED.clear()
+    for c in counters:
         if c.scope == "project" and c.metric == "micros" and c.limit > 0:
             PROJECT_BUDGET_USED.labels(c.name, c.window).set(c.used / c.limit)
 
