@@ -14,12 +14,14 @@ CREATE TABLE limits (
 );
 
 -- The defaults every deployment starts with (the README lists them): $20 a day and
--- $200 a month per project, $10 a day and $100 a month per person, 60 calls and
--- 400,000 tokens a minute per project, 30 calls and 200,000 tokens per person.
+-- $200 a month per project, $10 a day and $100 a month per person; 600 calls and
+-- 4,000,000 tokens a minute per project, 120 calls and 1,000,000 tokens per person (a
+-- person's burst of messages in a few sessions, each answered by a tool loop of several
+-- calls, stays well under them; a runaway loop does not).
 INSERT INTO limits (scope, name, micros_per_day, micros_per_month, requests_per_minute,
                     tokens_per_minute)
-VALUES ('project', '*', 20000000, 200000000, 60, 400000),
-       ('person',  '*', 10000000, 100000000, 30, 200000);
+VALUES ('project', '*', 20000000, 200000000, 600, 4000000),
+       ('person',  '*', 10000000, 100000000, 120, 1000000);
 
 -- One row per limited quantity and window: `used` by settled calls, `held` by calls in
 -- flight (their worst case, like a run's reservation). A call is admitted only if
