@@ -7,7 +7,6 @@ gets the HTTP status a client expects (`STATUS`).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
