@@ -64,8 +64,9 @@ bench: setup ## run the benchmarks (each measures its own baselines; `make chaos
 chaos: setup ## 100 people through the gateways while replicas, a NATS node and Postgres fail
 	$(RUN) python bench/chaos.py --people $(or $(PEOPLE),100)
 
-asyncapi: setup ## regenerate contracts/asyncapi.json from the contracts
+asyncapi: setup ## regenerate contracts/asyncapi.json and docs/reference.md from the contracts
 	$(RUN) python -m contracts.asyncapi --write
+	$(RUN) python -m contracts.reference --write
 
 nats-config: setup ## regenerate the NATS users of docker-compose and deploy/k8s from the contracts
 	$(RUN) agentbus nats-config --write
