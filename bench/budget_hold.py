@@ -5,7 +5,7 @@ Measured against metering's own tables (a fresh database, migrated as the servic
 turns come.
 
 The reservation, on the first-token path: every streaming turn holds its worst case on
-its run before the provider is called (DESIGN.md, budget races).
+its run before the provider is called (docs/decisions/0006-limits-in-the-reservation.md).
 - baseline: the locked read-decide-write transaction (BEGIN, lock the row, claim +
   save, COMMIT: four round trips), the way a replica that does not know the run's row
   reserves;

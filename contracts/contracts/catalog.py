@@ -176,7 +176,7 @@ COMMANDS: list[Command[Any, Any]] = [
 ]
 
 
-# --- Who may use the bus (DESIGN.md) -------------------------------------------------
+# --- Who may use the bus (docs/architecture.md) --------------------------------------
 # Every service's traffic besides the commands it serves (those are read off COMMANDS
 # above), declared once; `servicekit.permissions` derives each NATS user from it. A
 # subject a service uses that is not declared here is refused by the server, so this

@@ -2,7 +2,8 @@
 
 Every event type is two tokens, `<domain>.<name>`, and is published on
 `<domain>.<name>.<project_id>.<session_id>`. A new type is added here, with its
-payload model, and nowhere else (DESIGN.md, "The bus").
+payload model, and nowhere else: the log validates, the reference (docs/reference.md)
+and AsyncAPI document are generated from this module.
 """
 
 from __future__ import annotations

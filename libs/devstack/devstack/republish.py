@@ -4,13 +4,15 @@ Postgres is the store of record; EVENTS is its copy on the bus. After EVENTS was
 (deleted, or a JetStream store gone), `agentbus provision` re-creates it empty and this
 puts the log's events back, each exactly as the log's outbox published it: same
 subject, same body, `Nats-Msg-Id` = event id. Within the stream's duplicate window the
-server drops a copy it already holds; beyond it, consumers' idempotency does
-(DESIGN.md, rules learned the hard way), so running it twice is safe either way.
+server drops a copy it already holds; beyond it, consumers' idempotency does (every
+consumer records what it handled with its effect), so running it twice is safe either
+way (docs/operations.md, "Recover").
 
-It reads `session_events.events` directly, which DESIGN.md otherwise reserves to the
-log's service: an operator's recovery must work when the bus is the broken part, and
-pages of thousands of events through `cmd.events.list` would make the log service
-carry a bulk export it has no other use for. Only this command does it, read-only.
+It reads `session_events.events` directly, a table otherwise only the log's service
+touches (each service owns its schema, docs/architecture.md): an operator's recovery
+must work when the bus is the broken part, and pages of thousands of events through
+`cmd.events.list` would make the log service carry a bulk export it has no other use
+for. Only this command does it, read-only.
 """
 
 from __future__ import annotations

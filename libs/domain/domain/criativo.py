@@ -36,7 +36,7 @@ from domain.errors import DomainError
 
 CRIATIVO = "criativo"
 # Sessions where Criativo was never started keep the stateless chat of before
-# ADR 0008 (DESIGN.md flow 1), under this agent slug.
+# ADR 0008, so a person is never left talking to nobody; under this agent slug.
 PLAIN_CHAT = "chat"
 CRIATIVO_ACTOR = f"agent:{CRIATIVO}"
 
@@ -202,7 +202,7 @@ def rebuild(session_id: UUID, events: list[Event]) -> Conversation:
 
 # --- what the model sees ----------------------------------------------------------
 #
-# The prompt is causal, not positional (DESIGN.md "Who may use the bus", issue 10):
+# The prompt is causal, not positional:
 # the answer to message N reads every earlier message of the person, in message
 # order, each immediately followed by the answer it got, then N last. A message typed
 # while a turn runs lands in the log before that turn's answer; reading the log in

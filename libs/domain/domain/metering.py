@@ -8,7 +8,8 @@ Invariants kept here:
   more than half a µUSD per call.
 - A run's budget is never promised twice: a turn is admitted only when its worst
   case fits in `budget - spent - reserved`; the caller holds the run's row lock
-  while deciding (DESIGN.md: check-call-add overspends by the concurrency factor).
+  while deciding (checking, calling, then adding would let parallel turns overspend
+  by their number).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Durable JetStream pull consumers that lose nothing and do nothing twice.
 
-The rules (DESIGN.md, "Rules learned the hard way"):
+The rules (docs/decisions/0001-own-jetstream-consumer.md says why the kit has its own):
 - ack only after the handler's effect is committed;
 - a transient failure is nak'ed with a delay that grows with each delivery;
 - `Permanent` (the message can never succeed) and the last allowed delivery are
@@ -13,7 +13,7 @@ The rules (DESIGN.md, "Rules learned the hard way"):
 
 Messages are handled one at a time, in stream order — or, with `ordering_key`, one at a
 time per key (a session) and concurrently across keys: concurrency across sessions
-without an over-fetching worker pool (DESIGN.md: FastStream's issue #2563). Either way
+without an over-fetching worker pool (as FastStream's `max_workers` is). Either way
 every message fetched and not yet settled is kept in progress (`_keep_alive`, the one
 keep-alive of the code base), so a long handler, or a message waiting behind its
 session's earlier ones, is not redelivered to another replica meanwhile.

@@ -1,6 +1,6 @@
 """Each NATS user's permissions, derived from what the contracts declare (a pure module).
 
-The invariants it keeps (DESIGN.md, "Who may use the bus"):
+The invariants it keeps (docs/architecture.md, "Who may use the bus"):
 - one user per service, named after it; it may subscribe to the commands it serves
   and publish to the commands it calls, the subjects it publishes and its own
   JetStream consumers' API — nothing else;

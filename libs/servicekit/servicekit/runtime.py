@@ -241,7 +241,8 @@ def run_service(name: str, main: Awaitable[None] | Coroutine[Any, Any, None]) ->
                 sys.exit(EXIT_NOT_PROVISIONED)
         log.info("service_stopped", service=name)
 
-    # uvloop takes about a third off a NATS hop (DESIGN.md, latency budget).
+    # uvloop takes about a third off a NATS hop (a Python hop costs 0.4-0.6 ms at the
+    # median on the machines the benches ran on), and every command is at least one hop.
     uvloop.run(guarded())
 
 

@@ -28,8 +28,9 @@ from servicekit.settings import ServiceSettings
 
 SERVICE = "criativo"
 VERSION = "0.1.0"
-# Criativo keeps no state of its own (DESIGN.md); its schema holds only servicekit's
-# tables: the offers' outbox, the claims that make them once-only, dead letters.
+# Criativo keeps no state of its own (the log is its memory); its schema holds only
+# servicekit's tables: the offers' outbox, the claims that make them once-only, dead
+# letters.
 svc = Service(SERVICE, VERSION, "Criativo: the conversational ideation agent.", schema="criativo")
 INPUTS = [
     event_filter(EventType.CHAT_MESSAGE),

@@ -8,8 +8,9 @@ metering only).
   A call the person stopped (`stop_reason` "cancelled", from `cmd.llm.cancel`) ends
   the answer at once: its tool calls never run, and the answer is the text written
   so far, marked stopped (the rule is the harness `ToolLoop`'s, kept there only).
-- `plain`: the chat of sessions without Criativo (DESIGN.md flow 1): one streaming,
-  stateless call with the current message only, agent slug `chat`.
+- `plain`: the chat of sessions without Criativo (docs/architecture.md, "A chat
+  message"): one streaming, stateless call with the current message only, agent slug
+  `chat`.
 - `consolidate`: the brief after readiness, one streaming call with no tools — the
   model can write the brief's text, never emit it (ADR 0008 decision 5).
 

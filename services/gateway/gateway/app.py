@@ -1,10 +1,11 @@
 """Wiring of the gateway: the one place its parts are put together.
 
-The gateway keeps nothing durable (DESIGN.md): it runs on the kit like every service,
-with no schema, so it gets NATS but no Postgres. Its bus surface is empty: it calls the
-others' commands and serves none, so the kit registers it as a NATS micro service
-with no endpoints, which `$SRV.PING` / `nats micro ls` (and `make up`) find. It serves
-the web client, the HTTP API and the WebSocket with uvicorn, inside the service.
+The gateway keeps nothing durable (the process a browser reaches holds no database
+credentials): it runs on the kit like every service, with no schema, so it gets NATS
+but no Postgres. Its bus surface is empty: it calls the others' commands and serves
+none, so the kit registers it as a NATS micro service with no endpoints, which
+`$SRV.PING` / `nats micro ls` (and `make up`) find. It serves the web client, the HTTP
+API and the WebSocket with uvicorn, inside the service.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """One metered turn: resolve the model, reserve the worst case, call, bill, settle.
 
-The order is the guarantee (ADR 0008 decision 2, DESIGN.md "budget races"):
+The order is the guarantee (ADR 0008 decision 2): checking, calling, then adding would
+let parallel turns overspend by their number (docs/decisions/0006-limits-in-the-reservation.md):
 1. the run's budget row is locked and the turn's worst case is held before the
    provider is called — a turn that does not fit is refused and nothing is called;
 2. whatever happens to the call (success, provider error, cancellation), its usage

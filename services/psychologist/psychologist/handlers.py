@@ -59,7 +59,8 @@ class PsychologistSettings(ServiceSettings):
     """The psychologist's own knobs (`AGENTBUS_ANALYSIS_WORKERS`, …)."""
 
     # Analyses run at once per replica: each worker pulls one closing at a time, so
-    # nothing is over-fetched (DESIGN.md: no `max_workers` pull pool).
+    # nothing is over-fetched, as a `max_workers` pull pool would
+    # (docs/decisions/0001-own-jetstream-consumer.md).
     analysis_workers: int = 4
     max_tokens: int = 4096
     # Redelivery delays; the first is also how long a killed replica's message waits.

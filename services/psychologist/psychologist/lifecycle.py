@@ -2,8 +2,9 @@
 
 Everything announced goes through the outbox, `hypothesis_accepted_for_anamnese`
 included. ADR 0015 sent that one outside the outbox because its worker had no consumer
-to name; here the log is the truth (DESIGN.md) and the relay needs no consumer, so this
-is a deliberate deviation: the event is never lost between the commit and the append.
+to name; here the log is the truth (docs/architecture.md) and the relay needs no
+consumer, so this is a deliberate deviation: the event is never lost between the commit
+and the append.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A provider fills a `Progress` as the call goes (usage from the first event,
 cumulative usage from every later one, the time of the first token), so that a
 call that fails or is cancelled halfway is still billed for what the provider
-produced (DESIGN.md: streaming usage).
+produced: a client that drops mid-stream still cost what the provider generated.
 """
 
 from __future__ import annotations

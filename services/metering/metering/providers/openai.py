@@ -12,7 +12,7 @@ LM Studio, or OpenAI itself) through the official `openai` SDK, behind metering 
   cached reads (and writes, where a server reports them) are taken out. A stream cut
   short (a cancel, a dropped connection, an error chunk) never hears its usage: input
   is estimated from the prompt's size and output from the text received, so it is
-  still billed (DESIGN.md: streaming usage).
+  still billed: the provider charged for what it generated.
 - Retries: the SDK's own are off (`max_retries=0`) so that this loop decides, as the
   `anthropic` provider does: 429, 5xx, error chunks and connection failures are
   retried with backoff, honouring `retry-after-ms` / `retry-after`, but only while
