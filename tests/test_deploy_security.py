@@ -323,7 +323,8 @@ def test_the_network_policies_open_only_the_paths_the_deployment_needs() -> None
 
     for name, s in services.items():
         egress = allowed("Egress", pods[name], docs)
-        expected = dns | {"nats:4222"}
+        # the trace collector, in `monitoring` like Prometheus (OTLP/HTTP)
+        expected = dns | {"nats:4222", "monitoring:4318"}
         if s.schema is not None:
             expected.add("pooler:5432")  # the pooler, never the instances
         if s.provider:

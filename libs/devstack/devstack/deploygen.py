@@ -3,7 +3,7 @@
 Every list of services outside the services themselves — a Deployment,
 PodDisruptionBudget and Service per service in deploy/k8s/base/services/, a migration
 Job and a Postgres role per service that keeps a schema, the provisioning Job (each Job
-named by a hash of what it runs), the kustomization's resources,
+named by a hash of what it runs), the tracing ConfigMap, the kustomization's resources,
 docker-compose's service entries and NATS passwords, the root pyproject's mypy path and
 import layers — is written by `agentbus deploy-config --write` from:
 
@@ -51,6 +51,10 @@ PG_POOLER = "agentbus-pooler"
 NATS_SECRET = "agentbus-nats"
 PROVIDER_SECRET = "agentbus-providers"
 GATEWAY_SECRET = "agentbus-gateway"
+TELEMETRY_CONFIG = "agentbus-telemetry"
+# Tracing as servicekit.telemetry reads it: off (`none`) until an operator names an
+# exporter; an empty endpoint is OpenTelemetry's default (http://localhost:4318).
+TELEMETRY_DEFAULTS = {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": ""}
 # The distributions whose code a Job runs besides the service's own: their versions are
 # part of what names it.
 MIGRATE_CODE = ("agentbus-servicekit", "agentbus-devstack")
@@ -240,6 +244,8 @@ def _env(s: Deployed) -> list[dict[str, Any]]:
         {"name": "AGENTBUS_METRICS_PORT", "value": str(METRICS_PORT)},
         {"name": "AGENTBUS_LOG_FORMAT", "value": "json"},
         {"name": "AGENTBUS_LOG_LEVEL", "value": "INFO"},
+        # The rest of tracing comes from the agentbus-telemetry ConfigMap (envFrom).
+        {"name": "OTEL_SERVICE_NAME", "value": s.name},
     ]
     if s.web:
         env += [
@@ -290,6 +296,8 @@ def deployment(s: Deployed) -> dict[str, Any]:
         "args": [s.module],
         "ports": ports,
         "env": _env(s),
+        # Tracing, off until the ConfigMap names an exporter (telemetry.yaml).
+        "envFrom": [{"configMapRef": {"name": TELEMETRY_CONFIG}}],
         "resources": {
             "requests": {"cpu": s.sizing.cpu, "memory": s.sizing.memory},
             "limits": {"cpu": "1", "memory": s.sizing.memory},
@@ -529,6 +537,26 @@ PROVISION_HEADER = """\
 """
 
 
+def telemetry_config() -> dict[str, Any]:
+    """The tracing settings every service reads (envFrom): off by default."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(TELEMETRY_CONFIG, "telemetry"),
+        "data": dict(TELEMETRY_DEFAULTS),
+    }
+
+
+TELEMETRY_HEADER = """\
+# Tracing for every service (servicekit/telemetry.py), read through `envFrom`: off
+# (`none`). To send spans to an OpenTelemetry collector over OTLP/HTTP, set in an
+# overlay (overlays/dev has the patch, commented), then restart the Deployments:
+#   OTEL_TRACES_EXPORTER: otlp
+#   OTEL_EXPORTER_OTLP_ENDPOINT: http://otel-collector.monitoring:4318
+# Any other OTEL_* variable added here (OTEL_TRACES_SAMPLER, …) reaches every service.
+"""
+
+
 def service_manifest(s: Deployed) -> list[dict[str, Any]]:
     docs = [deployment(s), disruption_budget(s), service(s)]
     if s.web:
@@ -628,7 +656,7 @@ def postgres(services: list[Deployed]) -> list[dict[str, Any]]:
 
 
 STATIC_RESOURCES = ["namespace.yaml", "nats.yaml"]
-GENERATED_RESOURCES = ["provision-job.yaml"]
+GENERATED_RESOURCES = ["provision-job.yaml", "telemetry.yaml"]
 
 
 def kustomization(services: list[Deployed]) -> dict[str, Any]:
@@ -657,6 +685,7 @@ def k8s_files(services: list[Deployed]) -> dict[Path, str]:
         BASE / "kustomization.yaml": _dump([kustomization(services)]),
         BASE / "postgres.yaml": _dump(postgres(services)),
         BASE / "provision-job.yaml": _dump([provision_job()], PROVISION_HEADER),
+        BASE / "telemetry.yaml": _dump([telemetry_config()], TELEMETRY_HEADER),
     }
     for s in services:
         why = f"# {s.dns}: requests {s.sizing.cpu} CPU, from {s.sizing.why}.\n"
@@ -751,6 +780,9 @@ def compose_service(s: Deployed) -> str:
         "    <<: *service-env",
         f"    NATS_USER: {s.name}",
         f"    NATS_PASSWORD: ${{{password_variable(s.name)}{ENV_HINT}}}",
+        # Tracing: off unless .env or the shell sets it (the same defaults as in k8s).
+        f"    OTEL_SERVICE_NAME: {s.name}",
+        *(f"    {key}: ${{{key}:-{value}}}" for key, value in TELEMETRY_DEFAULTS.items()),
     ]
     if s.schema is not None:
         lines.append(f"    DATABASE_URL: {COMPOSE_DATABASE_URL}")
