@@ -46,18 +46,19 @@ def compose_env(service: str) -> dict[str, Any]:
 
 
 def k8s_env(overlay: str, deployment: str) -> set[str]:
-    """The variables a Deployment's containers get, `envFrom` Secrets named as `secret:*`."""
-    [doc] = [
-        d
-        for d in build(ROOT / "deploy" / "k8s" / "overlays" / overlay)
-        if d["kind"] == "Deployment" and d["metadata"]["name"] == deployment
-    ]
+    """The variables a Deployment's containers get: an `envFrom` ConfigMap's keys as the
+    overlay applies it, an `envFrom` Secret (whose keys nothing here shows) as `secret:*`."""
+    docs = build(ROOT / "deploy" / "k8s" / "overlays" / overlay)
+    [doc] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == deployment]
+    configs = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
     names = set()
     for container in doc["spec"]["template"]["spec"]["containers"]:
         names |= {e["name"] for e in container.get("env", [])}
         for source in container.get("envFrom", []):
-            ref = source.get("secretRef") or source.get("configMapRef")
-            names.add(f"{ref['name']}:*")
+            if "configMapRef" in source:
+                names |= set(configs[source["configMapRef"]["name"]])
+            else:
+                names.add(f"{source['secretRef']['name']}:*")
     return names
 
 

@@ -298,10 +298,12 @@ def allowed(direction: str, labels: dict[str, str], docs: list[dict[str, Any]]) 
 
 
 def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """The pods of the deployment by name, with their labels (the CNPG pods as the
-    operator labels them)."""
+    """The pods of the deployment by their name label (a Job's name also carries a hash
+    of what it runs), with their labels (the CNPG pods as the operator labels them)."""
     pods = {
-        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        d["metadata"]["labels"]["app.kubernetes.io/name"]: d["spec"]["template"]["metadata"][
+            "labels"
+        ]
         for d in docs
         if d["kind"] in ("Deployment", "StatefulSet", "Job")
     }
@@ -321,7 +323,8 @@ def test_the_network_policies_open_only_the_paths_the_deployment_needs() -> None
 
     for name, s in services.items():
         egress = allowed("Egress", pods[name], docs)
-        expected = dns | {"nats:4222"}
+        # the trace collector, in `monitoring` like Prometheus (OTLP/HTTP)
+        expected = dns | {"nats:4222", "monitoring:4318"}
         if s.schema is not None:
             expected.add("pooler:5432")  # the pooler, never the instances
         if s.provider:

@@ -97,6 +97,16 @@ def _migration_files(package: str) -> list[Traversable]:
     )
 
 
+def migration_set(packages: list[str]) -> dict[str, str]:
+    """Every migration of `packages` in the order `migrate` applies them: its recorded
+    name (`package:file`) → the sha256 of its text, the checksum `migrate` keeps."""
+    return {
+        f"{package}:{file.name}": hashlib.sha256(file.read_text().encode()).hexdigest()
+        for package in packages
+        for file in _migration_files(package)
+    }
+
+
 async def pending_migrations(pool: asyncpg.Pool, schema: str, packages: list[str]) -> list[str]:
     """The migrations of `packages` not yet applied to `schema` (all of them while the
     schema does not exist); an applied file that changed since raises MigrationDrift."""
@@ -107,14 +117,11 @@ async def pending_migrations(pool: asyncpg.Pool, schema: str, packages: list[str
             rows = await conn.fetch(f'SELECT name, checksum FROM "{schema}".schema_migrations')
             done = {r["name"]: r["checksum"] for r in rows}
     pending = []
-    for package in packages:
-        for file in _migration_files(package):
-            name = f"{package}:{file.name}"
-            checksum = hashlib.sha256(file.read_text().encode()).hexdigest()
-            if name not in done:
-                pending.append(name)
-            elif done[name] != checksum:
-                raise MigrationDrift(f"{name} changed after it was applied to {schema}")
+    for name, checksum in migration_set(packages).items():
+        if name not in done:
+            pending.append(name)
+        elif done[name] != checksum:
+            raise MigrationDrift(f"{name} changed after it was applied to {schema}")
     return pending
 
 
