@@ -234,7 +234,9 @@ async def test_the_brief_is_shown_being_written_then_as_its_card(
     await append(nc, session, EventType.ARTIFACT_PRODUCT_BRIEF.value, brief, readiness)
     await page.locator(".brief").wait_for()
     assert await writing.count() == 0, "the brief being written was not replaced by its card"
-    assert await page.locator(".brief").text_content() == "Brief: ReceitasUm app de receitas"
+    assert await page.locator(".brief h3").text_content() == "Receitas"
+    assert await page.locator(".brief .summary").text_content() == "Um app de receitas"
+    assert await page.locator(".brief .brief-state").text_content() == "current"
 
 
 @pytest.mark.timeout(60)

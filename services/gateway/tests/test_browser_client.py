@@ -251,7 +251,7 @@ async def test_session_list_rules_insights_usage_in_light_dark_and_on_a_phone(
     await page.click("#ready")
     brief = page.locator("article.brief")
     await brief.wait_for(timeout=30_000)
-    assert await brief.locator("h3").text_content() == "Brief: Product brief"
+    assert await brief.locator("h3").text_content() == "Product brief"
     assert await brief.locator(".details").count() == 1  # the brief as a document
     await page.click("#close")
     await page.locator(f'#events li[data-type="{EventType.SESSION_CLOSED.value}"]').wait_for(

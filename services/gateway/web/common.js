@@ -103,8 +103,10 @@ function showWhereItGoes(a) {
   else if (!said) a.after(el("span", { class: "link-host" }, ` (${url.host})`));
 }
 
-export function markdown(text) {
-  const fragment = DOMPurify.sanitize(marked.parse(text || ""), PURIFY);
+// `inline`: a line such as a title, its markdown without the paragraph around it.
+export function markdown(text, { inline = false } = {}) {
+  const html = inline ? marked.parseInline(text || "") : marked.parse(text || "");
+  const fragment = DOMPurify.sanitize(html, PURIFY);
   for (const a of fragment.querySelectorAll("a")) showWhereItGoes(a);
   // marked puts a newline between blocks: not part of what was said
   for (const node of [...fragment.childNodes]) {

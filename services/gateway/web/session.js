@@ -6,8 +6,10 @@
 // message typed while disconnected waits, shown as pending, and is sent on reconnect
 // with its `client_msg_id` (the gateway appends it once however often it is sent).
 // Answers, rules and the brief are markdown rendered safely (common.js `markdown`); the chat
-// follows new text only while the reader is at its end, and says who is writing.
-import { el, header, longTime, markdown, params, project, shortTime, token, tokenExpired } from "/common.js";
+// follows new text only while the reader is at its end, and says who is writing. Each brief
+// says its version and whether a later one replaced it, and leaves the page as markdown
+// (copied, or downloaded as a file).
+import { el, header, longTime, markdown, params, project, shortTime, timeEl, token, tokenExpired } from "/common.js";
 import { Connection, Refused } from "/connection.js";
 
 const sessionId = params.get("id");
@@ -15,6 +17,7 @@ const highlight = params.get("highlightEvent");
 const chat = document.getElementById("chat");
 const problem = document.getElementById("problem");
 const stopButton = document.getElementById("stop");
+const startButton = document.getElementById("start-criativo");
 const PENDING_KEY = `agentbus.pending.${sessionId}`;
 let lastSeq = 0;
 const kinds = new Map(); // event id -> type, for what a delta's `message_id` points at
@@ -203,7 +206,12 @@ function onContent(e) {
       awaitOutcome(e.id);
       break;
     case "agent.activated":
-      if (p.agent === "criativo") writer = "Criativo";
+      if (p.agent === "criativo") {
+        writer = "Criativo";
+        // Criativo joins a session once: the button says it is there rather than offer a refusal.
+        startButton.disabled = true;
+        startButton.textContent = "Criativo started";
+      }
       break;
     case "criativo.readiness_confirmed":
       awaitOutcome(e.id);
@@ -236,7 +244,8 @@ function onContent(e) {
     }
     case "artifact.business_rule": {
       const card = el("div", { class: "rule-card", "data-id": e.id },
-        el("h3", {}, p.title), el("div", { class: "statement" }, markdown(p.statement)));
+        el("h3", {}, markdown(p.title, { inline: true })),
+        el("div", { class: "statement" }, markdown(p.statement)));
       // Linked to the message it came from (its last `origin`), shown in the chat.
       const origin = (p.origin || []).at(-1);
       if (origin) {
@@ -254,10 +263,7 @@ function onContent(e) {
       break;
     }
     case "artifact.product_brief": {
-      // The brief as a document: a title, its summary, its details.
-      const card = el("article", { class: "brief", "data-id": e.id, "aria-label": `Product brief: ${p.title}` },
-        el("h3", {}, `Brief: ${p.title}`), el("div", { class: "summary" }, markdown(p.summary)));
-      if (p.details) card.append(el("div", { class: "details" }, markdown(p.details)));
+      const card = briefCard(e);
       const live = endStream(e.causation_id);
       outcome(e.causation_id);
       if (live) live.node.replaceWith(card);
@@ -286,6 +292,65 @@ function onContent(e) {
       chat.querySelectorAll(".divider button").forEach((b) => b.remove());
       break;
   }
+}
+
+// --- the briefs: each a version, the last one current -------------------------------
+
+const briefs = []; // the session's brief cards, oldest first
+
+// The brief as the document a person takes elsewhere: its title, summary and details.
+function briefMarkdown(p) {
+  return `${[`# ${p.title}`, p.summary, p.details].filter(Boolean).join("\n\n")}\n`;
+}
+
+function markBrief(card, current) {
+  card.classList.toggle("current", current);
+  card.classList.toggle("superseded", !current);
+  card.querySelector(".brief-state").textContent = current ? "current" : "superseded";
+  card.setAttribute("aria-label", `Brief v${card.dataset.version} (${current ? "current" : "superseded"}): ${card.dataset.title}`);
+}
+
+async function copyBrief(text, said) {
+  try {
+    await navigator.clipboard.writeText(text);
+    said.textContent = "Copied";
+  } catch {
+    said.textContent = "Could not copy: select the text instead";
+  }
+}
+
+function downloadBrief(text, version) {
+  const url = URL.createObjectURL(new Blob([text], { type: "text/markdown;charset=utf-8" }));
+  const link = el("a", { href: url, download: `brief-${sessionId}-v${version}.md`, hidden: "" });
+  document.body.append(link);
+  link.click();
+  link.remove();
+  // The download reads the blob after the click returns: it is let go a while later.
+  setTimeout(() => URL.revokeObjectURL(url), 60_000);
+}
+
+// The brief as a document: its version and state, its title, its summary, its details,
+// and Copy / Download as Markdown. A new brief makes the ones before it superseded.
+function briefCard(e) {
+  const p = e.payload;
+  const version = briefs.length + 1;
+  const text = briefMarkdown(p);
+  const said = el("span", { class: "brief-said", role: "status" });
+  const card = el("article", { class: "brief", "data-id": e.id, "data-version": version, "data-title": p.title },
+    el("p", { class: "brief-meta" },
+      el("span", { class: "brief-version" }, `Brief v${version}`), " · ",
+      el("span", { class: "brief-state" }), " · ", timeEl(e.created_at, true)),
+    el("h3", {}, p.title),
+    el("div", { class: "summary" }, markdown(p.summary)));
+  if (p.details) card.append(el("div", { class: "details" }, markdown(p.details)));
+  card.append(el("p", { class: "brief-actions" },
+    el("button", { type: "button", class: "copy", onclick: () => copyBrief(text, said) }, "Copy"), " ",
+    el("button", { type: "button", class: "download", onclick: () => downloadBrief(text, version) }, "Download as Markdown"),
+    " ", said));
+  for (const earlier of briefs) markBrief(earlier, false);
+  briefs.push(card);
+  markBrief(card, true);
+  return card;
 }
 
 // --- the connection ----------------------------------------------------------------
@@ -387,7 +452,7 @@ function decide(type, handoffId) {
   }
 }
 
-document.getElementById("start-criativo").onclick = () => act({ type: "start_agent", agent: "criativo" });
+startButton.onclick = () => act({ type: "start_agent", agent: "criativo" });
 document.getElementById("ready").onclick = () => act({ type: "confirm_readiness" });
 document.getElementById("close").onclick = () => act({ type: "close_session" });
 stopButton.onclick = () => {
