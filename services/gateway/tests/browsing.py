@@ -34,6 +34,7 @@ ARGS = [
     "--disable-quic",
 ]
 INSTALLED = Path(CHROMIUM).exists()
+AXE = Path(__file__).parent / "vendor" / "axe.min.js"
 ARTIFACTS = Path(os.environ.get("AGENTBUS_ARTIFACTS", ".artifacts")) / "browser"
 
 
@@ -203,3 +204,20 @@ async def append(
         ),
         AppendedReply,
     )
+
+
+async def axe_problems(page: Page) -> list[str]:
+    """axe-core's serious and critical violations on the page as it is now."""
+    # evaluated, not added as a <script>: the page's policy refuses inline script
+    await page.evaluate(AXE.read_text(encoding="utf-8"))
+    found: list[dict[str, Any]] = await page.evaluate(
+        """async () => {
+          const r = await axe.run(document, { resultTypes: ["violations"] });
+          return r.violations
+            .filter((v) => v.impact === "serious" || v.impact === "critical")
+            .map((v) => ({
+              id: v.id, impact: v.impact, nodes: v.nodes.map((n) => n.target.join(" ")),
+            }));
+        }"""
+    )
+    return [f"{v['impact']} {v['id']}: {v['nodes']}" for v in found]

@@ -14,6 +14,7 @@ from contracts.events import EventType
 
 from .browsing import (
     Browsing,
+    axe_problems,
     criativo_page,
     open_session_page,
     say,
@@ -86,6 +87,10 @@ async def test_a_revised_brief_is_current_the_first_superseded_each_copied_and_d
         label = f"Brief v{version} ({state}): Product brief"
         assert await card.get_attribute("aria-label") == label
     assert as_markdown(logged[0]) != as_markdown(logged[1])  # the revision says more
+    for scheme in ("light", "dark"):  # both states and their buttons readable, named
+        await page.emulate_media(color_scheme=scheme)
+        found = await axe_problems(page)
+        assert found == [], f"{scheme}: {found}"
 
     # Copy: each card its own brief, as markdown, on the clipboard.
     for card, brief in [(first, logged[0]), (second, logged[1])]:

@@ -8,8 +8,6 @@ no serious or critical violation on any page."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -26,6 +24,7 @@ from servicekit.testing import wait_for
 from .browsing import (
     Browsing,
     append,
+    axe_problems,
     criativo_page,
     event_id,
     responses,
@@ -36,8 +35,6 @@ from .browsing import (
     watch_errors,
 )
 from .conftest import Gateway
-
-AXE = Path(__file__).parent / "vendor" / "axe.min.js"
 
 SLOW_ANSWER = " ".join(f"word{i}" for i in range(40))
 
@@ -57,23 +54,6 @@ MARKDOWN_ANSWER = (
 @pytest.fixture
 def script() -> Script:
     return slow_script(SLOW_ANSWER)
-
-
-async def axe_problems(page: Page) -> list[str]:
-    """axe-core's serious and critical violations on the page as it is now."""
-    # evaluated, not added as a <script>: the page's policy refuses inline script
-    await page.evaluate(AXE.read_text(encoding="utf-8"))
-    found: list[dict[str, Any]] = await page.evaluate(
-        """async () => {
-          const r = await axe.run(document, { resultTypes: ["violations"] });
-          return r.violations
-            .filter((v) => v.impact === "serious" || v.impact === "critical")
-            .map((v) => ({
-              id: v.id, impact: v.impact, nodes: v.nodes.map((n) => n.target.join(" ")),
-            }));
-        }"""
-    )
-    return [f"{v['impact']} {v['id']}: {v['nodes']}" for v in found]
 
 
 @pytest.mark.timeout(90)
