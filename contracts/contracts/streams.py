@@ -33,7 +33,7 @@ class StreamSpec:
 # Every committed event. The Nats-Msg-Id is the event id, so a relay that republishes
 # inside the duplicate window is deduplicated by the server; beyond it consumers'
 # idempotency takes over (each records what it handled with its effect).
-# Bounded (issue 14): the log in Postgres is the record, the stream only carries it to
+# Bounded: the log in Postgres is the record, the stream only carries it to
 # the consumers, and `agentbus republish` sends the log's events again. A week covers a
 # consumer down over a long weekend; the bytes bound keeps a flood from filling the
 # disk, and fits under the servers' `max_file_store` (deploy/nats, deploy/k8s: 10 GB,

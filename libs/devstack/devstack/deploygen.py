@@ -1,4 +1,4 @@
-"""The deployment's per-service files, generated from one place (issue 15).
+"""The deployment's per-service files, generated from one place.
 
 Every list of services outside the services themselves — a Deployment,
 PodDisruptionBudget and Service per service in deploy/k8s/base/services/, a migration

@@ -35,8 +35,8 @@ from contracts.metering import ChatMessage
 from domain.errors import DomainError
 
 CRIATIVO = "criativo"
-# Sessions where Criativo was never started keep the stateless chat of before
-# ADR 0008, so a person is never left talking to nobody; under this agent slug.
+# Sessions where Criativo was never started get a stateless chat, the one ADR 0008
+# leaves them, so a person is never left talking to nobody; under this agent slug.
 PLAIN_CHAT = "chat"
 CRIATIVO_ACTOR = f"agent:{CRIATIVO}"
 

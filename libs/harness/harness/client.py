@@ -15,8 +15,8 @@ by the longer `unheard_seconds` (a replica killed after taking the request and b
 its first beat), or else by the request timeout only. The client never reads the
 turn's deltas: a beat is noted on arrival, a few per turn, not one per token. All of a
 client's streams name one alive subject, subscribed once, and a beat's body is its
-turn's id: no subscription made and dropped per turn (issue 12: a SUB and an UNSUB, a
-subscription task, and the server's interest changes, on every turn's first token).
+turn's id: no subscription made and dropped per turn, which would cost a SUB and an
+UNSUB, a subscription task and the server's interest changes on every turn's first token.
 The lost id stays claimed in metering until its sweeper settles the hold, so the client
 remembers it: a re-run of the same input skips it rather than wait on "turn in
 progress".
@@ -24,9 +24,9 @@ progress".
 A whole-reply turn has no beat: no reply within `timeout` is its only sign that the
 replica is gone, and the call raises `TurnLost` (which `StreamSilent` is too), retried
 the same way; a caller that knows how long its replies take (the psychologist) gives a
-timeout shorter than the 600 s default (issue 13: a closing held that long by a turn
-whose metering replica was SIGKILLed left its session unanalysed at the chaos run's
-end). A stream's request that times out is lost the same way.
+timeout shorter than the 600 s default: a closing held that long by a turn whose
+metering replica died would leave its session unanalysed for as long. A stream's
+request that times out is lost the same way.
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ class MeteringClient:
                     if heard.last is not None and now - heard.last > self._silence:
                         raise self._lose(StreamSilent(cmd.turn_id, self._silence))
                     # Never beaten for: a replica killed after taking the request and
-                    # before its first beat (issue 13's CI chaos run: one person waited out
-                    # the 600 s). A live but saturated replica may hold a request that long
+                    # before its first beat, which would leave the person waiting out the
+                    # 600 s. A live but saturated replica may hold a request that long
                     # unread; its turn, if it runs, is billed and its answer unused.
                     if (
                         heard.last is None

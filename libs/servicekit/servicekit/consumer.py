@@ -175,7 +175,7 @@ class DurableConsumer:
                     continue
                 except Exception as exc:
                     # JetStream away for a moment (the server restarting, a node electing
-                    # leaders): no messages this time, not the end of the service (issue 13).
+                    # leaders): no messages this time, not the end of the service.
                     # A pull to a consumer that no longer exists gets the same 503: that
                     # one still stops the service (a deleted stream is never papered over).
                     if not is_unavailable(exc) or await self._gone():
@@ -219,11 +219,12 @@ class DurableConsumer:
         """The next messages, as soon as one is there: a pull of one, then, only when that
         one says more are waiting (`num_pending`), a short pull of those.
 
-        With `fetch(batch)` alone, a lone chat message reached Criativo's handler 220-360
-        ms after the bus had it, in every one-session run of bench/chat.py; this way, 3 ms.
-        A bare probe of `fetch(32)` on an idle consumer answers at once, so the holding
-        comes from something around it (likely a pull request an earlier fetch left on the
-        server, which nats-py's own comments describe): not pinned down, see issue 12."""
+        With `fetch(batch)` alone, a lone chat message waits hundreds of milliseconds
+        before it reaches its handler; this way, a few
+        (docs/decisions/0001-own-jetstream-consumer.md). A bare probe of `fetch(32)` on an
+        idle consumer answers at once, so the holding comes from something around it,
+        likely a pull request an earlier fetch left on the server, which nats-py's own
+        comments describe; the cause is not pinned down."""
         first = await sub.fetch(1, timeout=FETCH_WAIT_SECONDS)
         waiting = first[0].metadata.num_pending if first else 0
         if self.spec.batch == 1 or not waiting:
@@ -288,8 +289,7 @@ class DurableConsumer:
                 await self._holding.wait()
             # Twice an interval, each message fetched or reported an interval ago or more (so
             # within 1.5 intervals, half the redelivery time): one settled within an interval
-            # is never reported (issue 12: reporting every held message at every tick cost a
-            # chat turn 1.3 reports besides its ack).
+            # is never reported, so a quick message costs its ack and no progress report.
             await asyncio.sleep(interval / 2)
             due = time.monotonic() - interval
             for key, (msg, since) in list(self._held.items()):

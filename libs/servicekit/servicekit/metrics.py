@@ -4,7 +4,7 @@
 from the event loop itself (a blocked loop fails it, which a thread-served endpoint
 would hide); `/readyz` is 200 only while NATS is connected, Postgres answers and every
 background task (consumers, relays) runs. Liveness never depends on NATS or Postgres:
-an outage of either must make replicas unready, not restart them all (issue 14).
+an outage of either must make replicas unready, not restart them all.
 
 The port is `AGENTBUS_METRICS_PORT`; 0, the default, takes a free one, which is logged
 and announced in the service's NATS micro metadata (`metrics`), where `agentbus up`

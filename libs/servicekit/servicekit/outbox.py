@@ -152,7 +152,7 @@ def check_appendable(event: Announcement) -> bytes:
     not its type's contract model, an oversized one.
 
     A service's state change and its event commit together or not at all; an event the
-    log could never take would leave the change announced to nobody (issue 11), so the
+    log could never take would leave the change announced to nobody, so the
     command is refused with the log's own code instead (`invalid_payload`, …).
     """
     event_type = log_rules.parse_event_type(event.envelope.type)

@@ -5,8 +5,8 @@ supervisor is curing), the request fails with `NoRespondersError` at once, or ti
 out, or the other answers `unavailable` (its own store is away). None of these says
 anything about the request: the same request will succeed in a few seconds. So the
 caller waits, with backoff, for as long as a person would wait (`dependency_wait_seconds`),
-and only then reports the outage — as an outage, never as a fault of the work at hand
-(issue 13: counted as crashes, they terminated healthy sessions).
+and only then reports the outage — as an outage, never as a fault of the work at hand:
+counted as crashes, they would end healthy sessions.
 
 A dependency already down for longer than the wait when a new request starts gets one
 try: the person who sent it is told at once instead of after another full wait.

@@ -1,7 +1,7 @@
 """Retention of the kit's bookkeeping tables: claims and dead letters pruned on a schedule.
 
 Every service with a schema runs `Retention` (started by `Service.serve`). Two tables grow
-with traffic and were never pruned (issue 14):
+with traffic and are pruned here:
 
 - `processed_messages`, the claims of idempotent consumers. A claim may go only once its
   message can no longer be delivered: JetStream drops a message `max_age` after it was

@@ -49,7 +49,7 @@ async def require_streams(js: JetStreamContext, service: str, replicas: int) -> 
     """Refuse to start, with one clear log line, unless the streams exist as declared.
 
     A service never creates a stream: re-creating a deleted EVENTS empty would hide the
-    loss (issue 11). Provisioning is the `provision` user's job.
+    loss. Provisioning is the `provision` user's job.
     """
     problems = await _when_jetstream_answers(lambda: check_streams(js, streams.ALL, replicas))
     if problems:

@@ -51,8 +51,8 @@ class ServiceSettings(BaseSettings):
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     # How long a service waits out a dependency that is restarting (no responders,
-    # timeouts, `unavailable` replies) before it reports the outage (issue 13): about
-    # as long as a person waits for an answer.
+    # timeouts, `unavailable` replies) before it reports the outage: about as long
+    # as a person waits for an answer.
     dependency_wait_seconds: float = 60.0
     # Retention of the kit's tables (servicekit.retention): claims are kept the longest
     # max_age of the streams a service consumes plus this margin; dead letters this many

@@ -12,7 +12,7 @@ so the decision is taken on the log as it stands, not on what this replica last 
 - a readiness confirmation gets the consolidation turn, the brief and the offer;
 - an input is acted on only when the log confirms it (same id, type, session, actor,
   payload): a forged copy on the bus is acknowledged and ignored;
-- a dependency that is restarting is a wait, not a crash (issue 13): a turn metering
+- a dependency that is restarting is a wait, not a crash: a turn metering
   cannot take is asked again with backoff for `dependency_wait_seconds`, then the
   message gets an `agent.error` coded `dependency_unavailable` (send it again) and the
   session goes on; the log being away is waited for the same way, then the input is
@@ -95,7 +95,7 @@ class SessionWork:
         return conv
 
     async def confirmed(self, conv: Conversation, event: Event) -> bool:
-        """Whether the log holds `event` as delivered (issue 11: trust the log, not the bus).
+        """Whether the log holds `event` as delivered (trust the log, not the bus).
 
         The caught-up conversation already holds the log's copy of every input, so a
         real input costs no extra round trip; anything else is asked of the log, which
@@ -139,8 +139,8 @@ class SessionWork:
         # The log is read while the lease is taken, when the lease may be resumed, and the
         # read stands only if it was: no other replica held the session since this one
         # released it, and all this one wrote under the lease had been written before the
-        # read went out. Otherwise the log is read again, under the lease. One round trip
-        # off every turn's first token (issue 12).
+        # read went out. Otherwise the log is read again, under the lease. This keeps a round
+        # trip off every turn's first token.
         ahead = self._read_ahead(conv) if self._leases.may_resume(event.session_id) else None
         try:
             async with self._leases.hold(event.session_id) as resumed:

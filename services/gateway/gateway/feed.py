@@ -20,7 +20,7 @@ independently of the outcome, so a joiner can read the outcome from the log whil
 DELTAS stream still holds the turn open: once this client has the outcome (sent now, or
 at or before its `after_seq`), the turn's deltas are dropped, replayed or live. Without
 that, a client joining as a turn ends got `agent.response`, then the whole turn again as
-deltas (issue 10).
+deltas.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The gateway's own series (issue 14), beside the kit's in `servicekit.metrics`.
+"""The gateway's own series, beside the kit's in `servicekit.metrics`.
 
 The per-token path pays one counter increment per frame: frames are labelled by their
 type only (never by session or user, which would grow without bound), and a label's

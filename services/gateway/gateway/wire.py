@@ -1,11 +1,11 @@
 """Server frames prepared once and written straight to a connection's transport.
 
-Through ASGI, every frame to every connection went `WebSocket.send_text` → uvicorn's
+Through ASGI, every frame to every connection goes `WebSocket.send_text` → uvicorn's
 `send` → websockets' framing → one `transport.write`: the gateway's largest cost per
-token (bench/gateway.py, py-spy). A server's frame is unmasked and, with no compression
-negotiated, the same bytes for every client, so a session's message is framed once
-(`text_frame`) and its followers' transports get those bytes; a connection's frames of one
-loop tick go out in one write (`ws.Connection`).
+token (docs/decisions/0005-gateway-websocket-frames.md). A server's frame is unmasked
+and, with no compression negotiated, the same bytes for every client, so a session's
+message is framed once (`text_frame`) and its followers' transports get those bytes; a
+connection's frames of one loop tick go out in one write (`ws.Connection`).
 
 uvicorn offers no such path, so `PreparedFramesProtocol` (its sans-I/O WebSocket
 protocol, named in `server.py`) hands the app a `FrameWriter` in the scope's extensions.

@@ -89,7 +89,7 @@ class Connection:
         # mark they wait here, and the writer calls back once it drained.
         self._writer = writer
         # Looked up once, not per frame: `asyncio.get_running_loop()` makes a getpid()
-        # system call each time (py-spy --native: 8 % of the gateway's samples per token).
+        # system call each time (docs/decisions/0010-light-per-token-path.md).
         self._loop = asyncio.get_running_loop()
         self._outgoing: list[bytes] = []
         self._flush_scheduled = False
@@ -220,9 +220,9 @@ class Connection:
         except DomainError as exc:
             self._answer(ErrorFrame(code=exc.code, message=exc.message, ref=ref))
         except Exception as exc:
-            # NATS or JetStream not answering (a node down, leaders being elected: the
-            # DELTAS read of a join met a 503 under load on the R3 cluster, issue 13) is
-            # an outage the client waits out, not the end of its connection.
+            # NATS or JetStream not answering (a node down, leaders being elected: a
+            # join's DELTAS read can get a 503 under load on a replicated stream) is an
+            # outage the client waits out, not the end of its connection.
             if not is_unavailable(exc):
                 raise
             log.warning("frame_unavailable", frame=kind, error=repr(exc))

@@ -1,4 +1,4 @@
-"""Stopping a running stream: the person's Stop button (issue 10).
+"""Stopping a running stream: the person's Stop button.
 
 `cmd.llm.cancel` reaches one replica (the queue group picks it), but the stream runs
 on whichever replica took its `cmd.llm.stream`. So the receiving replica tells every

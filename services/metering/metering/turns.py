@@ -157,9 +157,10 @@ def observe(record: UsageRecord, started: float, first_token_at: float | None) -
         LLM_ERRORS.labels(model, agent, record.error_code).inc()
 
 
-# The conversation and the tools, as compact JSON, by pydantic's own serializer: on
-# every turn's start, and the conversation grows with the session (issue 12: a tenth of
-# the time of dumping to dicts and `json.dumps`).
+# The conversation and the tools, as compact JSON, by pydantic's own serializer: this runs
+# on every turn's start, the conversation grows with the session, and the serializer
+# takes about a tenth of the time of dumping to dicts and `json.dumps`
+# (docs/decisions/0010-light-per-token-path.md).
 PROMPT_BODY = TypeAdapter(tuple[list[ChatMessage], list[ToolSpec]])
 
 
@@ -217,7 +218,7 @@ class DeltaPublisher:
     piece, at the price of a callback each; one that arrives faster than this replica
     reads it (the events pile up in the socket) gives fewer, larger deltas, so every hop
     after this one (NATS, the gateway, each client) handles fewer messages just when it
-    is loaded (issue 12). `TurnDelta` is "a piece of text"; a held delta's `emitted_at`
+    is loaded. `TurnDelta` is "a piece of text"; a held delta's `emitted_at`
     is its first piece's, so the latency it reports is its oldest's.
     """
 

@@ -220,7 +220,7 @@ def next_retry_delay(
 class Providers:
     """The providers one replica can call: the configured default, which serves every
     binding that names no provider, and the others configured beside it, which serve the
-    bindings that name them (issue 16: a binding names provider and model)."""
+    bindings that name them (a binding names provider and model)."""
 
     def __init__(self, default: Provider, *others: Provider) -> None:
         self.default = default

@@ -349,7 +349,7 @@ PSYCHOLOGIST_STEPS = [
 # Criativo's consolidation turn: the brief from what the person said.
 BRIEF_STEP = ScriptStep(contains="product_brief", responder="criativo_brief")
 
-# The offline demo: every flow of the system completes without a key (issue 4).
+# The offline demo: every flow of the system completes without a key.
 DEFAULT_SCRIPT = Script(
     token_delay_ms=15,
     steps=[
