@@ -31,7 +31,7 @@ KIT_MIGRATIONS = "servicekit.migrations"
 
 
 def _json_bytes(value: Any) -> bytes:
-    """`value` as JSON: orjson's (a tenth of `json.dumps`'s time, which the log paid for
+    """`value` as JSON: orjson's (a tenth of `json.dumps`'s time, which the log would pay for
     every payload and outbox header of a batch: bench/append.py), or `json.dumps`'s for
     what orjson refuses and Postgres takes (an int beyond 64 bits, a non-str key)."""
     try:

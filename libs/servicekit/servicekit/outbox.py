@@ -361,7 +361,7 @@ def _queue_many_statement(first: int, wake: str, returning: str = "") -> str:
 def _queue_many_args(messages: Sequence[Queued]) -> tuple[list[dict[str, Any]], bytes]:
     """The parameters of `_queue_many_statement`. Two values, not five arrays of a value
     per row: asyncpg checks each element of an array against three abstract classes,
-    which made the arrays cost a batch of the log more than its whole statement in
+    which makes the arrays cost a batch of the log more than its whole statement in
     Postgres (bench/append.py)."""
     rows = []
     start = 1  # substring() counts from 1
@@ -474,9 +474,10 @@ BATCH_COMMIT = "Nats-Batch-Commit"
 MAX_ATOMIC_BATCH = 1000
 MAX_BATCHES_IN_FLIGHT = 16
 # The fewest rows a key sends as a batch. A batch's commit is synced to disk by the file
-# store: measured here (nats-server 2.15, one node) a commit takes 10-25 ms where an
-# acknowledged publish takes 0.2-0.5 ms, so a short run of rows goes faster one by one,
-# and only a backlog (one busy session) gains from a batch. (With `sync_interval:
+# store: a commit takes 10-25 ms where an acknowledged publish takes 0.2-0.5 ms
+# (nats-server 2.15, one node: docs/decisions/0002-ordered-outbox-and-atomic-batches.md),
+# so a short run of rows goes faster one by one, and only a backlog (one busy session)
+# gains from a batch. (With `sync_interval:
 # always`, as in production, every publish is synced and batches gain sooner.)
 ATOMIC_BATCH_MIN = 32
 # Refusals of a whole batch that say "publish these one by one" rather than "retry":
@@ -543,7 +544,7 @@ class JetStreamPublisher:
     """Publishes rows to JetStream with `Nats-Msg-Id`, each key's rows in order.
 
     A key with a backlog (`ATOMIC_BATCH_MIN` rows or more) sends it as one atomic batch
-    rather than one acknowledged publish after another, which let one busy session's
+    rather than one acknowledged publish after another, which lets one busy session's
     publishing fall seconds behind its appends (bench/append.py); a short run goes one by
     one, which is faster for it. Why a batch and not N publishes awaited together: on one
     connection those reach the stream in order, but if row k fails (a reconnect that

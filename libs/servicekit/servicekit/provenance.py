@@ -87,19 +87,19 @@ class Confirmations:
     gateway, before it shows one): an event is asked for at once (`cmd.events.get` by
     id) with every other one waiting, in up to `max_reads` reads at a time; once that
     many are under way, the events that arrive wait for the first to end and go in the
-    next read together. A read per event, as the gateway first did, made two of the
-    log's three reads per turn in bench/gateway.py; one read at a time made every event
-    wait for the read under way before its own, and a busy log's round trip is long:
-    at 500 clients its deltas waited longer than with a read each (per-token p99).
+    next read together. A read per event makes two of the log's three reads per turn
+    (bench/gateway.py); one read at a time makes every event wait for the read under way
+    before its own, and a busy log's round trip is long: at 500 clients its deltas wait
+    longer than with a read each (docs/decisions/0004-trust-the-log.md).
 
     A read that fails is tried again `attempts` times, `retry_seconds` apart; the events
     it was for are then answered None, as unconfirmed (not counted as forgeries).
 
     An event the reader appends itself (`own_append`) needs no read: the log's reply to
     the append already says what it committed, at which id and `seq`, and a delivered
-    copy equal to that in every field the log decides is confirmed by comparison. At 500
-    clients in bench/gateway.py the person's message waited ~0.3 s for the busy log's
-    read, and the first deltas of its answer behind it. The copy often comes before the
+    copy equal to that in every field the log decides is confirmed by comparison: read,
+    the person's message would wait for a busy log's read (~0.3 s at 500 clients in
+    bench/gateway.py), and the first deltas of its answer behind it. The copy often comes before the
     reply (the log's relay publishes as it answers): a copy of the session, type and
     actor of an append under way waits for its reply, and is read only if the reply
     does not match it. A copy that differs is read from the log as any other event: a

@@ -1,9 +1,9 @@
 """The session log as every other service asks it: one client, one page size, one
 mapping of the log's refusals.
 
-No service reads another's tables (DESIGN, "Services"), so Criativo, handoff, the
-psychologist, the gateway and the kit's own provenance check read and write the log
-through these commands. What they share lives here once:
+No service reads another's tables, so Criativo, handoff, the psychologist, the gateway
+and the kit's own provenance check read and write the log through these commands. What
+they share lives here once:
 - reads of a whole session or of many ids are paged at the log's own limit
   (`EVENTS_PAGE_MAX`, from the contracts), with the longer timeout a full page needs;
   `pages()` hands them over a page at a time to a reader that sends as it reads;

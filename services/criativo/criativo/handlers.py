@@ -64,9 +64,9 @@ class CriativoSettings(ServiceSettings):
     max_tokens: int = 2048
     # How long a turn id still running in metering (an earlier delivery's call) is
     # waited for before it is tried again under a retry id. Past a minute its metering
-    # replica is taken for dead too (both SIGKILLed: a person waited 120 s here, plus
-    # the lease's TTL, in the chaos runs); a live turn that long is answered by its
-    # retry, and billed twice.
+    # replica is taken for dead too (when both replicas are killed, the person waits this
+    # long plus the lease's TTL); a live turn that long is answered by its retry, and
+    # billed twice.
     turn_in_progress_wait_seconds: float = 60.0
     # An answer stream whose metering replica neither beats nor replies for this long lost
     # that replica (SIGKILLed mid-turn, before or after the first delta): tried again under

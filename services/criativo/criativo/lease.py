@@ -88,7 +88,7 @@ class SessionLeases:
             # can be swallowed (asyncio.wait_for before Python 3.12, inside nats-py's
             # request), leaving a renewer that never ends and a `hold` that never
             # returns; and a renewal cut short leaves a stale revision to delete with.
-            # Both seen at 100 people (bench/chaos.py): sessions stuck for good.
+            # Either leaves a session stuck for good.
             done.set()
             try:
                 await renewer
@@ -183,9 +183,8 @@ class SessionLeases:
                 # nats-py's `create` reads the key back after a refused create, to tell a
                 # live lease from a delete marker. On an R3 bucket that read may be served
                 # by a replica that is behind, or the lease was released (its marker aged
-                # out) in between: not found. Either way, try again. Seen at 100 people on
-                # the 3-node cluster (bench/chaos.py): without this the input failed and
-                # waited out the consumer's backoff, minutes.
+                # out) in between: not found. Either way, try again: otherwise the input
+                # fails and waits out the consumer's backoff, minutes.
                 await asyncio.sleep(RETRY_SECONDS)
 
     async def _renewed(self, key: str, revision: int) -> int:
@@ -222,8 +221,8 @@ class SessionLeases:
             except Exception as exc:
                 # A cluster node down (no stream response, a 503, a timeout) is not a lease
                 # taken: ask again soon, while the lease still has time to live. Giving up
-                # there let the lease expire under a running turn, free for another replica
-                # (the `lease_release_failed` lines of the chaos runs, after a NATS kill).
+                # there would let the lease expire under a running turn, free for another
+                # replica.
                 if is_unavailable(exc):
                     log.warning("lease_renewal_unavailable", session_id=key, error=repr(exc))
                     wait = RENEW_RETRY_SECONDS

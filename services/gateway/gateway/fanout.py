@@ -67,7 +67,7 @@ Live = LiveDelta | LiveDone | LiveEvent
 
 def delta_frame(delta: TurnDelta) -> bytes:
     """The prepared `DeltaFrame`, built as a plain dict and encoded by orjson: the
-    per-token path, where a model round trip per delta, then `json.dumps`, were the
+    per-token path, where a model round trip per delta, then `json.dumps`, would be the
     gateway's largest costs after the socket (bench/gateway.py)."""
     frame = {
         "type": "delta",
@@ -166,9 +166,10 @@ class _Topic:
         if reason is not None:
             log.warning("foreign_message_dropped", subject=msg.subject, reason=reason)
             return
-        # A live event is shown only as the log committed it (DESIGN, who may use the
-        # bus): a forged copy is never shown, nor lets the feeds drop the real one as a
-        # duplicate of its `seq`. The session's later messages wait behind it, in order.
+        # A live event is shown only as the log committed it
+        # (docs/decisions/0004-trust-the-log.md): a forged copy is never shown, nor lets
+        # the feeds drop the real one as a duplicate of its `seq`. The session's later
+        # messages wait behind it, in order.
         # Unconfirmed (the log not answering), it is dropped: the feeds read it from the
         # log when the next event shows the gap. The bus's permissions alone would not
         # do: of the services only session_events may publish on an event subject

@@ -72,7 +72,7 @@ async def serving_http(rt: Runtime, app: ASGIApp, settings: GatewaySettings) -> 
             ws=PreparedFramesProtocol,
             ws_max_size=WS_MAX_BYTES,
             # No permessage-deflate: prepared frames are the same bytes for every client
-            # (gateway.wire). It also cost a compression per frame per connection and
+            # (gateway.wire). It would also cost a compression per frame per connection and
             # ~30 KiB of zlib state per connection, to save a few dozen bytes of a
             # ~150-byte delta frame (bench/gateway.py).
             ws_per_message_deflate=False,
