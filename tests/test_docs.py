@@ -80,6 +80,18 @@ def test_the_readme_points_to_the_docs() -> None:
     assert "](docs/" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
+# The README is the first screen a newcomer reads: what agentbus is, how to start it and
+# where to read next. Detail belongs in `docs/`, where it has room and a place.
+README_MOST_LINES = 160
+
+
+def test_the_readme_stays_short() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MOST_LINES, (
+        f"README.md has {len(lines)} lines, at most {README_MOST_LINES}: move detail to docs/"
+    )
+
+
 def test_the_link_finder_finds_links_and_skips_code() -> None:
     sample = (
         "See [the docs](docs/a.md) and [site](https://x.org), [here](#top).\n"

@@ -25,7 +25,8 @@ class StreamSpec:
     allow_atomic: bool = False
     # Answers `$JS.API.DIRECT.GET`: how an operator reads a stream without a consumer
     # (`nats stream get`, `nats sub --stream S --direct`). Any consumer ops could create
-    # could be made to push the stream to any subject, so ops has none (README).
+    # could be made to push the stream to any subject, so ops has none
+    # (docs/decisions/0007-ops-reads-by-direct-get.md).
     allow_direct: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
