@@ -307,7 +307,12 @@ def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
         for d in docs
         if d["kind"] in ("Deployment", "StatefulSet", "Job")
     }
-    pods["postgres"] = {"cnpg.io/cluster": "agentbus-db"}
+    pods["postgres"] = {
+        "cnpg.io/cluster": "agentbus-db",
+        "cnpg.io/podRole": "instance",
+        "app.kubernetes.io/managed-by": "cloudnative-pg",
+        "app.kubernetes.io/component": "database",
+    }
     pods["pooler"] = {"cnpg.io/poolerName": "agentbus-pooler"}
     return pods
 

@@ -8,8 +8,9 @@
   test compares the result with `kubectl kustomize` where kubectl is installed.
 - **Kubernetes kinds** against the API's schemas (kubernetes-validate, strict: an
   unknown field is an error).
-- **CloudNativePG kinds** against the CRDs' schemas, vendored in
-  deploy/schemas/cnpg-1.30.0.json, made strict the same way.
+- **Custom resources** against their CRDs' schemas, vendored in deploy/schemas/ and
+  made strict the same way: CloudNativePG 1.30.0 (cnpg-1.30.0.json) and its Barman
+  Cloud plugin 0.14.0 (barman-cloud-0.14.0.json, the `ObjectStore`).
 - **docker-compose.yml** against the compose specification (deploy/schemas/compose-spec.json).
 
 Lint and test tooling only: it needs the dev dependencies (jsonpatch,
@@ -38,6 +39,8 @@ SCHEMAS = Path(__file__).resolve().parents[3] / "deploy" / "schemas"
 OVERLAYS = Path("deploy/k8s/overlays")
 KNOWN_FIELDS = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
 CLUSTER_SCOPED = {"Namespace"}
+# One file per operator release, each `{"apiVersion", "kinds": {kind: openAPIV3Schema}}`.
+CRD_SCHEMAS = ("cnpg-1.30.0.json", "barman-cloud-0.14.0.json")
 
 
 class KustomizeError(ValueError):
@@ -97,10 +100,14 @@ def _set_image(docs: list[Manifest], image: dict[str, str]) -> None:
 
 
 @cache
-def _cnpg_schemas() -> dict[str, Any]:
-    vendored = json.loads((SCHEMAS / "cnpg-1.30.0.json").read_text())
-    kinds: dict[str, Any] = {k: _strict(s) for k, s in vendored["kinds"].items()}
-    return {"apiVersion": vendored["apiVersion"], "kinds": kinds}
+def _crd_schemas() -> dict[str, dict[str, Any]]:
+    """The vendored custom resources' schemas, strict, by apiVersion then kind."""
+    schemas: dict[str, dict[str, Any]] = {}
+    for name in CRD_SCHEMAS:
+        vendored = json.loads((SCHEMAS / name).read_text())
+        kinds = {k: _strict(s) for k, s in vendored["kinds"].items()}
+        schemas.setdefault(vendored["apiVersion"], {}).update(kinds)
+    return schemas
 
 
 def _strict(schema: Any) -> Any:
@@ -122,9 +129,14 @@ def _strict(schema: Any) -> Any:
 
 def validate(doc: Manifest) -> None:
     """Raise on a manifest the cluster would refuse (or silently prune)."""
-    cnpg = _cnpg_schemas()
-    if doc["apiVersion"] == cnpg["apiVersion"]:
-        schema = copy.deepcopy(cnpg["kinds"][doc["kind"]])
+    crds = _crd_schemas()
+    if doc["apiVersion"] in crds:
+        kinds = crds[doc["apiVersion"]]
+        if doc["kind"] not in kinds:
+            raise kubernetes_validate.SchemaNotFoundError(
+                doc["kind"], "vendored", doc["apiVersion"]
+            )
+        schema = copy.deepcopy(kinds[doc["kind"]])
         # The CRD leaves metadata to the API server: any object's metadata.
         schema["properties"]["metadata"] = {"type": "object"}
         jsonschema.validate(doc, schema)

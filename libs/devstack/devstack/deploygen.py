@@ -48,6 +48,16 @@ WEB_PORT = 8480
 PG_CLUSTER = "agentbus-db"
 PG_DATABASE = "agentbus"
 PG_POOLER = "agentbus-pooler"
+# Continuous backup through CloudNativePG's Barman Cloud plugin (the in-tree
+# `barmanObjectStore` is deprecated since 1.26): WAL archive and base backups in an
+# S3 bucket, reached with the keys of BACKUP_SECRET. The overlays set where the bucket is.
+BARMAN_PLUGIN = "barman-cloud.cloudnative-pg.io"
+BACKUP_STORE = "agentbus-backups"
+BACKUP_SECRET = "agentbus-backup"
+BACKUP_KEYS = ("ACCESS_KEY_ID", "ACCESS_SECRET_KEY")
+BACKUP_RETENTION = "30d"
+# CloudNativePG's cron has a seconds field; the operator's clock (UTC in its image).
+BACKUP_SCHEDULE = "0 0 3 * * *"
 NATS_SECRET = "agentbus-nats"
 PROVIDER_SECRET = "agentbus-providers"
 GATEWAY_SECRET = "agentbus-gateway"
@@ -597,6 +607,15 @@ def postgres(services: list[Deployed]) -> list[dict[str, Any]]:
             # The database's owner is not a service: it owns the database, not the
             # schemas, and no service connects as it.
             "bootstrap": {"initdb": {"database": PG_DATABASE, "owner": "agentbus_owner"}},
+            # Every WAL segment goes to the object store as it fills (or after
+            # archive_timeout, 5 min): with a base backup, a point-in-time recovery.
+            "plugins": [
+                {
+                    "name": BARMAN_PLUGIN,
+                    "isWALArchiver": True,
+                    "parameters": {"barmanObjectName": BACKUP_STORE},
+                }
+            ],
             "managed": {
                 "roles": [
                     {
@@ -652,7 +671,45 @@ def postgres(services: list[Deployed]) -> list[dict[str, Any]]:
             },
         },
     }
-    return [cluster, database, pooler]
+    return [cluster, database, pooler, *backup()]
+
+
+def backup() -> list[dict[str, Any]]:
+    """Where the cluster archives its WAL and base backups, and a base backup a day."""
+    s3_key = [{"name": BACKUP_SECRET, "key": key} for key in BACKUP_KEYS]
+    store = {
+        "apiVersion": "barmancloud.cnpg.io/v1",
+        "kind": "ObjectStore",
+        "metadata": _meta(BACKUP_STORE, "backup"),
+        "spec": {
+            # The bucket (and endpoint, for one that is not AWS) is each overlay's.
+            "configuration": {
+                "destinationPath": f"s3://{BACKUP_STORE}/",
+                "s3Credentials": {"accessKeyId": s3_key[0], "secretAccessKey": s3_key[1]},
+                "wal": {"compression": "gzip", "maxParallel": 4},
+                "data": {"compression": "gzip", "jobs": 2},
+            },
+            # Base backups older than this, and the WAL only they need, are deleted: a
+            # recovery reaches any time in the window.
+            "retentionPolicy": BACKUP_RETENTION,
+        },
+    }
+    scheduled = {
+        "apiVersion": "postgresql.cnpg.io/v1",
+        "kind": "ScheduledBackup",
+        "metadata": _meta(f"{PG_CLUSTER}-daily", "backup"),
+        "spec": {
+            "cluster": {"name": PG_CLUSTER},
+            "schedule": BACKUP_SCHEDULE,
+            # The first base backup at once: the WAL archive alone recovers nothing.
+            "immediate": True,
+            "method": "plugin",
+            "pluginConfiguration": {"name": BARMAN_PLUGIN},
+            # The Backup objects go with this schedule, not with the cluster.
+            "backupOwnerReference": "self",
+        },
+    }
+    return [store, scheduled]
 
 
 STATIC_RESOURCES = ["namespace.yaml", "nats.yaml"]
@@ -713,6 +770,17 @@ def secrets_manifest(services: list[Deployed]) -> str:
             "stringData": {"AGENTBUS_GATEWAY_SECRET": secrets.token_urlsafe(32)},
         },
     ]
+    # The object store's keys. In dev they are MinIO's own root user (overlays/dev);
+    # in production, replace them with the keys of your bucket (deploy/k8s/README.md).
+    docs.append(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": BACKUP_SECRET, "namespace": NAMESPACE, "labels": PART_OF},
+            "type": "Opaque",
+            "stringData": {key: secrets.token_urlsafe(24) for key in BACKUP_KEYS},
+        }
+    )
     for s in services:
         if s.schema is None:
             continue
