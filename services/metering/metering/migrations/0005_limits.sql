@@ -13,7 +13,7 @@ CREATE TABLE limits (
     PRIMARY KEY (scope, name)
 );
 
--- The defaults every deployment starts with (the README lists them): $20 a day and
+-- The defaults every deployment starts with (docs/services.md lists them): $20 a day and
 -- $200 a month per project, $10 a day and $100 a month per person; 600 calls and
 -- 4,000,000 tokens a minute per project, 120 calls and 1,000,000 tokens per person (a
 -- person's burst of messages in a few sessions, each answered by a tool loop of several
