@@ -17,6 +17,20 @@ import pytest
 from servicekit.testing import wait_for
 
 
+def demo_turn(n: int, text: str) -> str:
+    """A `cmd.llm.turn` of the demo project's chat, as the CLI sends it."""
+    return json.dumps(
+        {
+            "run_id": "demo-run",
+            "turn_id": f"demo-turn-{n}",
+            "agent_slug": "chat",
+            "project_id": "demo",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 200,
+        }
+    )
+
+
 def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "devstack", *args],
@@ -104,21 +118,7 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         assert refused.returncode == 1
         assert json.loads(refused.stdout)["error"]["code"] == "malformed_json"
 
-        answered = agentbus(
-            "call",
-            "cmd.llm.turn",
-            json.dumps(
-                {
-                    "run_id": "demo-run",
-                    "turn_id": "demo-turn-1",
-                    "agent_slug": "chat",
-                    "project_id": "demo",
-                    "messages": [{"role": "user", "content": "hello metering"}],
-                    "max_tokens": 200,
-                }
-            ),
-            env=stack_env,
-        )
+        answered = agentbus("call", "cmd.llm.turn", demo_turn(1, "hello metering"), env=stack_env)
         assert answered.returncode == 0, answered.stdout
         assert "hello metering" in json.loads(answered.stdout)["content"][0]["text"]
         assert "provider_scripted" in (tmp_path / "up.log").read_text()
@@ -126,21 +126,7 @@ async def test_up_serves_commands_restarts_a_dead_service_and_down_stops_everyth
         capped = agentbus("limits", "set", "--project", "demo", "--day-usd", "0", env=stack_env)
         assert capped.returncode == 0, capped.stdout + capped.stderr
         assert json.loads(capped.stdout)["limits"]["micros_per_day"] == 0
-        over = agentbus(
-            "call",
-            "cmd.llm.turn",
-            json.dumps(
-                {
-                    "run_id": "demo-run",
-                    "turn_id": "demo-turn-2",
-                    "agent_slug": "chat",
-                    "project_id": "demo",
-                    "messages": [{"role": "user", "content": "once more"}],
-                    "max_tokens": 200,
-                }
-            ),
-            env=stack_env,
-        )
+        over = agentbus("call", "cmd.llm.turn", demo_turn(2, "once more"), env=stack_env)
         assert json.loads(over.stdout)["error"]["code"] == "budget_exceeded", over.stdout
         shown = agentbus("limits", "show", "demo", env=stack_env)
         assert shown.returncode == 0, shown.stderr

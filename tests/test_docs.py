@@ -1,9 +1,9 @@
 """The repository explains itself: nothing in it points outside it, and its docs' links hold.
 
-A clone holds only what git tracks, so a file that sends the reader to a path beside
-the repository (`../shared/…`) or to a design page it does not contain sends them
-nowhere. And a relative link in the README or `docs/` that names a file no longer there
-is the same dead end, found later.
+A clone holds only what git tracks, so a file that sends the reader to a folder beside
+the repository, or to a design page it does not contain, sends them nowhere. And a
+relative link in the README or `docs/` that names a file no longer there is the same
+dead end, found later.
 """
 
 from __future__ import annotations

@@ -87,12 +87,13 @@ async def _connect(user: str = ADMIN, **options: Any) -> Client:
     )
 
 
-async def _call(subject: str, body: str, timeout: float) -> int:
-    nc = await _connect()
+async def _call(subject: str, body: str, timeout: float, user: str = ADMIN) -> int:
+    """Send a command as `user`, print its reply; 1 when the reply is an error."""
+    nc = await _connect(user)
     try:
         msg = await nc.request(subject, body.encode(), timeout=timeout)
     except nats.errors.NoRespondersError:
-        print(f"no service answers {subject}", file=sys.stderr)
+        print(f"no service answers {subject}: is it running?", file=sys.stderr)
         return 2
     finally:
         await nc.close()
@@ -258,17 +259,7 @@ async def _limits(args: argparse.Namespace) -> int:
             "tokens_per_minute": args.tokens_per_minute,
         }
         body, subject = {"scope": scope, "name": name, "limits": limits}, LIMITS_SET
-    nc = await _connect(OPS)
-    try:
-        msg = await nc.request(subject, json.dumps(body).encode(), timeout=10)
-    except nats.errors.NoRespondersError:
-        print(f"no service answers {subject}: is metering running?", file=sys.stderr)
-        return 2
-    finally:
-        await nc.close()
-    reply = json.loads(msg.data)
-    print(json.dumps(reply, indent=2))
-    return 1 if isinstance(reply, dict) and "error" in reply else 0
+    return await _call(subject, json.dumps(body), timeout=10, user=OPS)
 
 
 def main(argv: list[str] | None = None) -> int:

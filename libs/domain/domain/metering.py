@@ -21,7 +21,7 @@ from datetime import UTC, date, datetime, timedelta
 from uuid import UUID
 
 from contracts.common import ErrorCode
-from contracts.metering import Binding, SetBinding, SetLimits, TokenUsage
+from contracts.metering import Binding, LimitUse, SetBinding, SetLimits, TokenUsage
 from domain.errors import DomainError
 
 MICROS_PER_MILLION_TOKENS = 1_000_000
@@ -232,21 +232,6 @@ def window_end(window: str, starts: datetime) -> datetime:
     raise ValueError(f"unknown window {window!r}")
 
 
-@dataclass(frozen=True)
-class LimitCheck:
-    """One limit a call was checked against: whose, what, the window, the call's share."""
-
-    scope: str
-    name: str
-    metric: str
-    window: str
-    starts: datetime
-    limit: int
-    used: int
-    held: int
-    amount: int
-
-
 _PER = {"day": "daily", "month": "monthly", "minute": "per-minute"}
 
 
@@ -254,42 +239,39 @@ def _usd(micros: int) -> str:
     return f"${micros / 1_000_000:,.2f}"
 
 
-def limit_refusal(check: LimitCheck, now: datetime) -> DomainError:
-    """The refusal of a call that does not fit under `check`: `budget_exceeded` for money,
-    `rate_limited` for calls and tokens per minute, with when it resets."""
-    resets = window_end(check.window, check.starts)
+def limit_refusal(use: LimitUse, now: datetime, amount: int = 0) -> DomainError:
+    """The refusal of a call (that may cost `amount`) under a limit it does not fit:
+    `budget_exceeded` for money, `rate_limited` for calls and tokens per minute, with
+    when it resets."""
+    resets = use.resets_at
     details: dict[str, object] = {
-        "scope": check.scope,
-        "name": check.name,
-        "metric": check.metric,
-        "window": check.window,
-        "limit": check.limit,
-        "used": check.used + check.held,
+        "scope": use.scope,
+        "name": use.name,
+        "metric": use.metric,
+        "window": use.window,
+        "limit": use.limit,
+        "used": use.used + use.held,
         "resets_at": resets.isoformat(),
     }
-    who = f"{check.scope} {check.name}"
-    cost = f" and this call may cost up to {_usd(check.amount)}" if check.amount else ""
-    if check.metric == "micros":
+    who = f"{use.scope} {use.name}"
+    cost = f" and this call may cost up to {_usd(amount)}" if amount else ""
+    if use.metric == "micros":
         return DomainError(
             ErrorCode.BUDGET_EXCEEDED,
-            f"{who} has used {_usd(check.used + check.held)} of its {_per(check)} limit of "
-            f"{_usd(check.limit)}{cost}; nothing was called. "
+            f"{who} has used {_usd(use.used + use.held)} of its {_PER[use.window]} limit of "
+            f"{_usd(use.limit)}{cost}; nothing was called. "
             f"The limit resets at {resets:%Y-%m-%d %H:%M} UTC.",
             **details,
         )
     retry_after = max(1, int((resets - now).total_seconds() + 0.999))
-    unit = "calls" if check.metric == "requests" else "tokens"
+    unit = "calls" if use.metric == "requests" else "tokens"
     return DomainError(
         ErrorCode.RATE_LIMITED,
-        f"{who} is at its limit of {check.limit:,} {unit} a minute; nothing was called. "
+        f"{who} is at its limit of {use.limit:,} {unit} a minute; nothing was called. "
         f"Try again in {retry_after} s.",
         **details,
         retry_after_seconds=retry_after,
     )
-
-
-def _per(check: LimitCheck) -> str:
-    return _PER[check.window]
 
 
 PROJECT_NAME = re.compile(r"^(\*|[A-Za-z0-9_-]{1,64})$")

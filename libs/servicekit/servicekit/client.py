@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol, TypeVar, overload
 
+import nats.errors
 from nats.aio.client import Client
 from pydantic import BaseModel, ValidationError
 
@@ -85,6 +87,18 @@ async def call(
             subject, request.model_dump_json().encode(), timeout=timeout, headers=headers
         )
     return parse_reply(msg.data, reply_model)
+
+
+async def announced(nc: Client, service: str, timeout: float = 1.0) -> dict[str, str] | None:
+    """The metadata one replica of `service` announces in its NATS micro info
+    (`$SRV.INFO.<service>`, `Service.serve(metadata=…)`); None when none answers."""
+    try:
+        msg = await nc.request(f"$SRV.INFO.{service}", b"", timeout=timeout)
+        info = json.loads(msg.data)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ValueError):
+        return None
+    metadata = info.get("metadata") if isinstance(info, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
 
 
 class Caller(Protocol):

@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import asyncpg
+import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 
 KIT_SCHEMA = "kit_test"
@@ -32,6 +34,8 @@ MakeStream = Callable[..., Awaitable[tuple[str, str]]]
 MakePool = Callable[[], Awaitable[asyncpg.Pool]]
 # Runs a coroutine (a relay's or a consumer's `run()`) for the rest of the test.
 Background = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+# Starts a durable consumer of `spec` with `handler` in the background (`run_consumer`).
+RunConsumer = Callable[[ConsumerSpec, Handler], DurableConsumer]
 
 
 async def stop(task: asyncio.Task[None], patience: float = 10.0) -> None:
@@ -64,6 +68,18 @@ async def background() -> AsyncIterator[Background]:
     yield start
     for task in tasks:
         await stop(task)
+
+
+@pytest.fixture
+def run_consumer(
+    nc: Client, js: JetStreamContext, pool: asyncpg.Pool, background: Background
+) -> RunConsumer:
+    def start(spec: ConsumerSpec, handler: Handler) -> DurableConsumer:
+        consumer = DurableConsumer(nc, js, pool, spec, handler)
+        background(consumer.run())
+        return consumer
+
+    return start
 
 
 @pytest_asyncio.fixture(loop_scope="session")

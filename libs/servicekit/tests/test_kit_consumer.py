@@ -6,12 +6,10 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
-import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -19,12 +17,12 @@ from nats.js.api import AckPolicy, ConsumerInfo
 from nats.js.errors import NotFoundError
 
 from contracts import streams, subjects
-from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent, claim_once
+from servicekit.consumer import ConsumerSpec, DurableConsumer, Permanent, claim_once
 from servicekit.testing import stream_messages, wait_for
 
+from .conftest import Background, RunConsumer
+
 # Starts a DurableConsumer in the background (stopped at the end of the test).
-RunConsumer = Callable[[ConsumerSpec, Handler], DurableConsumer]
-Background = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
 
 @dataclass
@@ -38,18 +36,6 @@ class Calls:
 
     def of(self, subject: str) -> list[int]:
         return [n for s, n, _ in self.deliveries if s == subject]
-
-
-@pytest.fixture
-def run_consumer(
-    nc: Client, js: JetStreamContext, pool: asyncpg.Pool, background: Background
-) -> RunConsumer:
-    def start(spec: ConsumerSpec, handler: Handler) -> DurableConsumer:
-        consumer = DurableConsumer(nc, js, pool, spec, handler)
-        background(consumer.run())
-        return consumer
-
-    return start
 
 
 def spec_for(

@@ -12,36 +12,20 @@ import uuid
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
-import asyncpg
-import pytest
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from structlog.testing import capture_logs
 
-from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler
+from servicekit.consumer import ConsumerSpec, DurableConsumer
 from servicekit.metrics import value
 from servicekit.testing import wait_for
 
-from .conftest import Background
+from .conftest import RunConsumer
 from .test_kit_consumer import (
-    RunConsumer,
     consumer_info,
     publish,
     spec_for,
 )
-
-
-@pytest.fixture
-def run_consumer(
-    nc: Client, js: JetStreamContext, pool: asyncpg.Pool, background: Background
-) -> RunConsumer:
-    def start(spec: ConsumerSpec, handler: Handler) -> DurableConsumer:
-        consumer = DurableConsumer(nc, js, pool, spec, handler)
-        background(consumer.run())
-        return consumer
-
-    return start
 
 
 def watched(stream: tuple[str, str]) -> ConsumerSpec:

@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from contracts.catalog import Command
 from contracts.common import ErrorCode, Message
 from domain.errors import DomainError
-from servicekit.client import CommandFailed, call
+from servicekit.client import CommandFailed, announced, call
 from servicekit.sessionlog import typed_refusal
 
 CReq = TypeVar("CReq", bound=Message)
@@ -43,3 +43,7 @@ class Commands:
                 ErrorCode.UNAVAILABLE,
                 f"{command.subject} did not answer ({type(exc).__name__}); retry",
             ) from None
+
+    async def announced(self, service: str) -> dict[str, str] | None:
+        """What a replica of `service` announces in its micro info; None when none answers."""
+        return await announced(self.nc, service)

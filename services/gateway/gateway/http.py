@@ -254,7 +254,7 @@ def _parse(model: type[M], data: dict[str, Any]) -> M:
 def routes(hub: Hub) -> list[Route]:
     """The API's routes, each a few lines over one command."""
     c, session_log = hub.commands, hub.session_log
-    offline_model = OfflineModel(c.nc, hub.settings.model_notice_seconds)
+    offline_model = OfflineModel(c.announced, hub.settings.model_notice_seconds)
 
     async def ws_ticket(_: Request, p: Principal) -> BaseModel:
         return hub.tickets.issue(p)

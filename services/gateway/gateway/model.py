@@ -9,19 +9,19 @@ loading a page does not ask metering each time.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-
-import nats.errors
-from nats.aio.client import Client
+from collections.abc import Awaitable, Callable
 
 from contracts import catalog
 from contracts.metering import METADATA_OFFLINE
 from servicekit.logs import get_logger
 
 # Metering, the owner of the model turn, announces its provider in its micro info.
-METERING_INFO = f"$SRV.INFO.{catalog.LLM_TURN.service}"
+METERING = catalog.LLM_TURN.service
 log = get_logger(__name__)
+
+# What a replica of a service announces (`servicekit.client.announced`); None: no answer.
+Announced = Callable[[str], Awaitable[dict[str, str] | None]]
 
 
 class OfflineModel:
@@ -31,10 +31,9 @@ class OfflineModel:
     wrongly. A silence after that keeps the last answer.
     """
 
-    def __init__(self, nc: Client, remember_seconds: float, timeout: float = 1.0) -> None:
-        self._nc = nc
+    def __init__(self, announced: Announced, remember_seconds: float) -> None:
+        self._announced = announced
         self._remember = remember_seconds
-        self._timeout = timeout
         self._offline = False
         self._fresh_until: float | None = None
         # One question at a time: the pages loading together share its answer.
@@ -56,11 +55,8 @@ class OfflineModel:
 
     async def _ask(self) -> bool | None:
         """What a metering replica announces; None when none answers."""
-        try:
-            msg = await self._nc.request(METERING_INFO, b"", timeout=self._timeout)
-            info = json.loads(msg.data)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ValueError) as exc:
-            log.info("metering_info_unanswered", reason=type(exc).__name__)
+        metadata = await self._announced(METERING)
+        if metadata is None:
+            log.info("metering_info_unanswered")
             return None
-        metadata = info.get("metadata") if isinstance(info, dict) else None
-        return isinstance(metadata, dict) and metadata.get(METADATA_OFFLINE) == "true"
+        return metadata.get(METADATA_OFFLINE) == "true"

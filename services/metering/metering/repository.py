@@ -27,7 +27,7 @@ from contracts.metering import (
     UsageSummaryRequest,
 )
 from domain.errors import DomainError
-from domain.metering import LimitCheck, Price, RunBudget, window_end
+from domain.metering import Price, RunBudget, window_end
 from servicekit.db import Connection
 
 BINDING_COLUMNS = "scope, project_id, agent_slug, session_id, model, updated_at, provider"
@@ -293,17 +293,17 @@ def tokens_of(usage: TokenUsage) -> int:
     )
 
 
-def _check(row: asyncpg.Record) -> LimitCheck:
-    return LimitCheck(
+def _limit_use(row: asyncpg.Record) -> LimitUse:
+    """A limit in force and its open window's use, as `_limits_in_force`'s rows give it."""
+    return LimitUse(
         scope=row["scope"],
         name=row["name"],
         metric=row["metric"],
         window=row["win"],
-        starts=row["starts"],
         limit=row["limit"],
         used=row["used"],
         held=row["held"],
-        amount=row["amount"],
+        resets_at=window_end(row["win"], row["starts"]),
     )
 
 
@@ -327,14 +327,14 @@ class BudgetTransaction:
         amount: int,
         tokens: int,
         owner: str,
-    ) -> list[LimitCheck]:
+    ) -> list[LimitUse]:
         """Hold the turn's share on every limit in force for the project and the person;
         the limits it did not fit under (then nothing may be committed: the caller rolls
         back). The turn's hold must be claimed in this transaction first."""
         rows = await self._conn.fetch(
             HOLD_LIMITS, turn_id, project_id, person, amount, tokens, owner
         )
-        return [_check(r) for r in rows if not r["admitted"]]
+        return [_limit_use(r) for r in rows if not r["admitted"]]
 
     async def lock_run(self, run_id: str) -> RunBudget:
         """The run's budget, created empty on its first turn, locked until commit."""
@@ -645,19 +645,7 @@ class MeteringRepository:
     async def limits_status(self, project_id: str, person: str | None) -> LimitsStatus:
         """The limits in force for the project and the person, and their open windows' use."""
         rows = await self._pool.fetch(LIMITS_STATUS, project_id, person)
-        uses = [
-            LimitUse(
-                scope=r["scope"],
-                name=r["name"],
-                metric=r["metric"],
-                window=r["win"],
-                limit=r["limit"],
-                used=r["used"],
-                held=r["held"],
-                resets_at=window_end(r["win"], r["starts"]),
-            )
-            for r in rows
-        ]
+        uses = [_limit_use(r) for r in rows]
         return LimitsStatus(limits=uses, exhausted=[u for u in uses if u.used + u.held >= u.limit])
 
     async def summary(self, req: UsageSummaryRequest) -> UsageSummaryReply:

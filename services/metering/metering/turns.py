@@ -464,7 +464,7 @@ class TurnRunner:
             )
             if refused:
                 LIMIT_REFUSALS.labels(refused[0].scope, refused[0].metric).inc()
-                raise limit_refusal(refused[0], datetime.now(UTC))
+                raise limit_refusal(refused[0], datetime.now(UTC), hold.micros)
         self._remember(cmd.run_id, StoredRun(run, version))
         return True
 

@@ -3,18 +3,17 @@ gateway reads the "offline model" notice instead of holding the provider key its
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from nats.aio.client import Client
 
 from metering.app import MeteringSettings, build_provider
 from metering.testing import Starter
+from servicekit.client import announced
 
 
-async def announced(nc: Client) -> dict[str, str]:
-    msg = await nc.request("$SRV.INFO.metering", b"", timeout=5)
-    metadata: dict[str, str] = json.loads(msg.data)["metadata"]
+async def metering_announces(nc: Client) -> dict[str, str]:
+    metadata = await announced(nc, "metering", timeout=5)
+    assert metadata is not None, "no metering replica answered $SRV.INFO.metering"
     return metadata
 
 
@@ -41,7 +40,7 @@ async def test_its_info_names_the_provider_and_whether_it_is_the_offline_script(
     settings = MeteringSettings.model_validate({"provider": "auto", **configured})
     await start_metering(provider=build_provider(settings))
 
-    metadata = await announced(nc)
+    metadata = await metering_announces(nc)
 
     assert (metadata["provider"], metadata["offline"]) == (provider, offline)
     assert metadata["instance"]  # the kit's own metadata stays beside it

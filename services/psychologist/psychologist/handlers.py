@@ -27,7 +27,7 @@ from contracts.psychologist import (
     Reanalyze,
 )
 from domain.errors import DomainError
-from domain.metering import LimitCheck, limit_refusal, window_start
+from domain.metering import limit_refusal
 from domain.psychologist import HypothesisStatus
 from psychologist import lifecycle
 from psychologist.analysis import Analyst, Retry
@@ -78,20 +78,7 @@ async def refuse_when_over(nc: Client, project_id: str, person: str | None) -> N
         nc, catalog.LIMITS_STATUS, LimitsStatusRequest(project_id=project_id, person=person)
     )
     for use in status.exhausted:
-        raise limit_refusal(
-            LimitCheck(
-                scope=use.scope,
-                name=use.name,
-                metric=use.metric,
-                window=use.window,
-                starts=window_start(use.window, datetime.now(UTC)),
-                limit=use.limit,
-                used=use.used,
-                held=use.held,
-                amount=0,
-            ),
-            datetime.now(UTC),
-        )
+        raise limit_refusal(use, datetime.now(UTC))
 
 
 @svc.command(subjects.PSYCHOLOGIST_REANALYZE)
