@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from contracts import streams
 from contracts.events import Event, EventType
 from contracts.subjects import event_subject
-from servicekit.bus import provision_buckets, provision_streams
+from servicekit.bus import provision_declared
 from servicekit.embedded import EmbeddedNats, start_nats
 from servicekit.natsconf import accounts_block, load_or_create_secrets
 from servicekit.permissions import ADMIN
@@ -85,9 +85,7 @@ async def admin(own_nats: OwnNats) -> AsyncIterator[Client]:
     """The test's own connection (it reconnects too, for ever)."""
     url = with_credentials(own_nats.url, ADMIN, own_nats.secrets[ADMIN])
     nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-    # what `agentbus provision` makes: the streams and Criativo's lease bucket
-    await provision_streams(nc.jetstream(), streams.ALL)
-    await provision_buckets(nc.jetstream(), streams.BUCKETS)
+    await provision_declared(nc.jetstream())
     yield nc
     await nc.close()
 

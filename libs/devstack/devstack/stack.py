@@ -42,13 +42,11 @@ import psutil
 from nats.aio.client import Client
 from nats.js.errors import ServiceUnavailableError
 
-from contracts import streams
 from devstack.services import ServiceSpec, discover, web_links
 from servicekit.bus import (
     Credentials,
     identity_options,
-    provision_buckets,
-    provision_streams,
+    provision_declared,
     server_urls,
 )
 from servicekit.embedded import (
@@ -131,8 +129,7 @@ async def provision(nats_url: str, credentials: Credentials | None, replicas: in
         deadline = time.monotonic() + PROVISION_PATIENCE
         while True:
             try:
-                await provision_streams(nc.jetstream(), streams.ALL, replicas)
-                await provision_buckets(nc.jetstream(), streams.BUCKETS, replicas)
+                await provision_declared(nc.jetstream(), replicas)
                 return
             except (
                 nats.errors.TimeoutError,

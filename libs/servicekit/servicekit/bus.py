@@ -20,6 +20,7 @@ from nats.js.api import Header, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
+from contracts import streams
 from contracts.streams import BucketSpec, StreamSpec
 from servicekit.logs import get_logger
 from servicekit.natsconf import read_secrets
@@ -160,6 +161,13 @@ async def provision_buckets(
             info.config.max_age = spec.ttl_seconds
             info.config.duplicate_window = min(spec.ttl_seconds, 120.0)
             await js.update_stream(info.config)
+
+
+async def provision_declared(js: JetStreamContext, replicas: int = 1) -> None:
+    """Everything the services expect to find: the streams and the KV buckets declared in
+    `contracts.streams` (what `agentbus provision` runs)."""
+    await provision_streams(js, streams.ALL, replicas)
+    await provision_buckets(js, streams.BUCKETS, replicas)
 
 
 def _mismatches(spec: StreamSpec, found: StreamConfig, replicas: int) -> list[str]:
