@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 
 import criativo.actors
 import gateway.metrics
-import metering.turns
+import metering.metrics
 import servicekit.metrics
 
 MONITORING = Path(__file__).resolve().parent.parent / "deploy" / "monitoring"
@@ -41,7 +41,7 @@ REQUIRED_ALERTS = {
 def exported() -> set[str]:
     """Every series name the services' code registers (labelled or not)."""
     assert (
-        servicekit.metrics and metering.turns and criativo.actors and gateway.metrics
+        servicekit.metrics and metering.metrics and criativo.actors and gateway.metrics
     )  # registered
     names: set[str] = set()
     for family in REGISTRY.collect():
