@@ -82,12 +82,12 @@ def _stopped(publisher: DeltaPublisher | None) -> bool:
 
 
 async def _outcome(
-    call: Awaitable[ProviderReply], publisher: DeltaPublisher | None, turn_id: str
+    answering: Awaitable[ProviderReply], publisher: DeltaPublisher | None, turn_id: str
 ) -> Outcome | None:
     """How the call ended; None when `cmd.llm.cancel` stopped it, whatever the provider
     did while it unwound (an error from the cut connection, even a whole reply)."""
     try:
-        reply = await call
+        reply = await answering
         if not _stopped(publisher):
             return Outcome(reply, "ok")
     except ProviderError as exc:
