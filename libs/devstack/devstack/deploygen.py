@@ -372,6 +372,11 @@ def deployment(s: Deployed) -> dict[str, Any]:
     }
 
 
+def _selector(s: Deployed) -> dict[str, Any]:
+    """What selects the service's pods, or its Service (the same name label)."""
+    return {"matchLabels": {"app.kubernetes.io/name": s.dns}}
+
+
 def disruption_budget(s: Deployed) -> dict[str, Any]:
     # maxUnavailable rather than minAvailable: a drain never takes two replicas at once,
     # and an overlay that runs one replica can still be drained.
@@ -381,7 +386,7 @@ def disruption_budget(s: Deployed) -> dict[str, Any]:
         "metadata": _meta(s.dns, "service"),
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": {"app.kubernetes.io/name": s.dns}},
+            "selector": _selector(s),
         },
     }
 
@@ -764,7 +769,7 @@ def service_monitor(s: Deployed) -> dict[str, Any]:
         "kind": "ServiceMonitor",
         "metadata": _meta(s.dns, "service"),
         "spec": {
-            "selector": {"matchLabels": {"app.kubernetes.io/name": s.dns}},
+            "selector": _selector(s),
             "endpoints": [{"port": "metrics", "path": "/metrics", "interval": SCRAPE_INTERVAL}],
             "podTargetLabels": TARGET_LABELS,
         },
