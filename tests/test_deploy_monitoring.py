@@ -22,6 +22,7 @@ import yaml
 from devstack import deploygen
 from devstack.deploycheck import build, validate
 from devstack.deployed import users_digest
+from servicekit.permissions import USERS
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -237,3 +238,5 @@ def test_nats_reloads_its_config_and_restarts_for_a_new_user() -> None:
     assert "http://localhost:8222/" in containers["prom-exporter"]["args"]
     # a password comes from the environment, read at start: a new user rolls the servers
     assert template["metadata"]["annotations"]["agentbus.io/nats-users"] == users_digest()
+    assert users_digest([*USERS, "new_service"]) != users_digest()
+    assert users_digest(reversed(USERS)) == users_digest()

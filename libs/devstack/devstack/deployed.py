@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from servicekit.natsconf import accounts_block, env_passwords, password_variable, render
@@ -25,14 +26,14 @@ K8S_KEY = "  auth.conf: |\n"
 USERS_ANNOTATION = re.compile(r'(agentbus\.io/nats-users: )"[^"]*"')
 
 
-def users_digest() -> str:
+def users_digest(users: Iterable[str] = USERS) -> str:
     """A digest of the password variables the deployed servers read from their environment.
 
     nats-server reads its environment once, at start: a config reload cannot give it a
     new user's password. In the pod template, a new user changes the template, and
     applying it restarts the servers one at a time.
     """
-    names = sorted(password_variable(u) for u in USERS if u != ADMIN)
+    names = sorted(password_variable(u) for u in users if u != ADMIN)
     return hashlib.sha256("\n".join(names).encode()).hexdigest()[:10]
 
 
