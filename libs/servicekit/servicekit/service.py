@@ -16,7 +16,7 @@ and its `app.py`, the composition root (cosmicpython's `bootstrap`), builds the 
 and runs it::
 
     async with svc.open(settings) as rt:
-        rt.relay(LogAppender(rt.nc))
+        rt.relay(CommandSender(rt.nc))
         await svc.serve(rt, repo=HandoffRepository(rt.pool))
 
 The first parameter of a handler is its message, parsed into the model its annotation

@@ -24,6 +24,7 @@ from servicekit.outbox import (
     OutboxRelay,
     OutboxRow,
     notify_channel,
+    publisher,
     retry_delay,
     with_outbox,
 )
@@ -307,7 +308,7 @@ async def test_an_unanswered_publish_times_out_and_the_row_is_retried_later(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Something answers nothing on the subject (a stalled server, a misrouted subject).
-    monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(publisher, "SEND_TIMEOUT_SECONDS", 0.2)
     subject = f"blackhole{uuid.uuid4().hex[:10]}.a"
     sink = await nc.subscribe(subject)
     relay = OutboxRelay(pool, JetStreamPublisher(nc))
@@ -327,7 +328,7 @@ async def test_unanswered_publishes_of_a_batch_time_out_together(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     timeout = 1.0
-    monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", timeout)
+    monkeypatch.setattr(publisher, "SEND_TIMEOUT_SECONDS", timeout)
     subject = f"blackhole{uuid.uuid4().hex[:10]}.a"
     sink = await nc.subscribe(subject)
     relay = OutboxRelay(pool, JetStreamPublisher(nc))
@@ -413,7 +414,7 @@ class AwaitingSender:
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
         self.reply = asyncio.get_running_loop().create_future()
-        # JetStreamPublisher awaits each ack so, and LogAppender's nc.request does inside.
+        # JetStreamPublisher awaits each ack so, and CommandSender's nc.request does inside.
         await asyncio.wait_for(self.reply, 30)
         return [DELIVERED for _ in rows]
 

@@ -34,7 +34,7 @@ from contracts.handoff import OfferHandoff
 from contracts.session_events import AppendEvent
 from domain.criativo import CRIATIVO, CRIATIVO_ACTOR
 from servicekit.consumer import claim_once
-from servicekit.outbox import DELIVERED, Delivery, LogAppender, Outbox, OutboxRow
+from servicekit.outbox import DELIVERED, CommandSender, Delivery, Outbox, OutboxRow
 
 OFFER_TARGET = "po"
 CLAIMS = "criativo-offers"
@@ -68,7 +68,7 @@ class OfferSender:
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
-        self._requests = LogAppender(nc)
+        self._requests = CommandSender(nc)
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
         results = await self._requests.send(rows)

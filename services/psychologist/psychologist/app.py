@@ -6,7 +6,7 @@ from harness import MeteringClient
 from psychologist.analysis import Analyst
 from psychologist.handlers import SERVICE, PsychologistSettings, closings_spec, svc
 from psychologist.repository import PsychologistRepository
-from servicekit.outbox import LogAppender
+from servicekit.outbox import CommandSender
 from servicekit.runtime import run_service
 from servicekit.sessionlog import SessionLogClient
 
@@ -23,7 +23,7 @@ async def main(settings: PsychologistSettings | None = None) -> None:
         # A turn still in progress is as good as lost past the same bound.
         wait = settings.turn_lost_seconds
         analyst = Analyst(repo, session_log, metering, settings.max_tokens, wait)
-        rt.relay(LogAppender(rt.nc))
+        rt.relay(CommandSender(rt.nc))
         await svc.serve(rt, repo=repo, session_log=session_log, analyst=analyst)
 
 
