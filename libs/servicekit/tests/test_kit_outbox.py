@@ -223,8 +223,9 @@ async def test_notify_wakes_the_relay_long_before_its_poll(
 async def test_rows_of_a_process_with_its_relay_wake_it_without_a_notify(
     pool: asyncpg.Pool, nc: Client, stream: tuple[str, str], background: Background
 ) -> None:
-    """`with_outbox` given the relay of its process: the committed rows wake it directly
-    (its poll is two minutes away) and no NOTIFY goes to the database's listeners."""
+    """`with_outbox` given the wake-up of its process's relay: the committed rows wake it
+    directly (its poll is two minutes away) and no NOTIFY goes to the database's
+    listeners."""
     _, prefix = stream
     relay = await relay_polling_rarely(pool, nc, background)
     heard: list[str] = []
@@ -237,7 +238,7 @@ async def test_rows_of_a_process_with_its_relay_wake_it_without_a_notify(
         await listener.add_listener(channel, hear)
         try:
             for n in (1, 2):
-                async with with_outbox(pool, relay) as (_, queue):
+                async with with_outbox(pool, relay.wake) as (_, queue):
                     await queue.send(f"{prefix}.a", f"evt-{n}", b"{}")
                 await wait_for(lambda n=n: relay.delivered == n, timeout=10, what=f"row {n}")
 

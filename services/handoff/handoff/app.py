@@ -18,7 +18,7 @@ async def main(settings: ServiceSettings | None = None) -> None:
     """Serve the handoff commands, relay its events to the log, follow session closings."""
     async with svc.open(settings or ServiceSettings()) as rt:
         relay = rt.relay(CommandSender(rt.nc))
-        repo = HandoffRepository(rt.pool, relay)
+        repo = HandoffRepository(rt.pool, relay.wake)
         await svc.serve(
             rt,
             repo=repo,

@@ -41,7 +41,7 @@ from servicekit.outbox.relay import (
     retry_delay,
 )
 from servicekit.outbox.rows import NOTIFY_CHANNEL_PREFIX, Queued, notify_channel
-from servicekit.outbox.writer import Outbox, with_outbox
+from servicekit.outbox.writer import Outbox, Wake, with_outbox
 
 __all__ = [
     "ATOMIC_BATCH_MIN",
@@ -62,6 +62,7 @@ __all__ = [
     "OutboxRow",
     "Queued",
     "Sender",
+    "Wake",
     "check_appendable",
     "in_key_order",
     "key_chains",

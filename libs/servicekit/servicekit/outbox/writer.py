@@ -7,9 +7,9 @@ back; the relay (`servicekit.outbox.relay`) delivers them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 
@@ -26,9 +26,6 @@ from servicekit.outbox.rows import (
     queue_statement,
     without_notify,
 )
-
-if TYPE_CHECKING:
-    from servicekit.outbox.relay import OutboxRelay
 
 
 class Outbox:
@@ -143,23 +140,30 @@ class Outbox:
         return None if row is None else without_notify(row)
 
 
+# What wakes the relay of this process once rows are committed (`OutboxRelay.wake`).
+Wake = Callable[[], None]
+
+
 @asynccontextmanager
 async def with_outbox(
-    pool: asyncpg.Pool, relay: OutboxRelay | None, *, transaction: bool = True
+    pool: asyncpg.Pool, wake: Wake | None, *, transaction: bool = True
 ) -> AsyncIterator[tuple[Connection, Outbox]]:
     """A connection of `pool`, in a transaction (or, `transaction` False, each statement
-    committing on its own), and the outbox its statements queue rows in.
+    committing on its own), and the outbox its statements queue rows in: the one way a
+    service opens a transaction that writes outbox rows (its repository wraps it in its
+    own typed transaction).
 
-    Given `relay`, the relay of this process, rows go without a NOTIFY — each NOTIFY
-    signals every listening backend of the database, and takes a database-wide lock at
-    commit — and the relay is woken directly once they are committed. Another replica's
-    relay finds them by polling should this process die before delivering them."""
+    Given `wake`, what wakes the relay of this process, rows go without a NOTIFY — each
+    NOTIFY signals every listening backend of the database, and takes a database-wide
+    lock at commit — and `wake` is called once they are committed. Another replica's
+    relay finds them by polling should this process die before delivering them. Without
+    it (no relay in this process), a NOTIFY announces them on commit."""
     async with pool.acquire() as conn:
-        outbox = Outbox(conn, notify=relay is None)
+        outbox = Outbox(conn, notify=wake is None)
         if transaction:
             async with conn.transaction():
                 yield conn, outbox
         else:
             yield conn, outbox
-        if relay is not None and outbox.queued:
-            relay.wake()
+        if wake is not None and outbox.queued:
+            wake()
