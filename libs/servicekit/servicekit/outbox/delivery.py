@@ -11,6 +11,7 @@ from typing import Protocol
 
 from contracts.common import ErrorBody
 
+# How long a sender waits for a receiver's answer; a row unanswered by then is retried.
 SEND_TIMEOUT_SECONDS = 5.0
 
 

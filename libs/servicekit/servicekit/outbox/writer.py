@@ -3,6 +3,10 @@ transaction, always through `Outbox` — `append(event)` for the session log, `s
 for any other subject, `append_with`/`send_with` to write the row in the very statement
 of the effect. Rows written here go once the transaction commits, and never if it rolls
 back; the relay (`servicekit.outbox.relay`) delivers them.
+
+A service opens such a transaction with `with_outbox`, wrapped by its repository's typed
+transaction, and gives it its relay's wake-up (`OutboxRelay.wake`): the writer knows the
+relay only as that callback.
 """
 
 from __future__ import annotations
