@@ -249,7 +249,7 @@ ACCESS = [
         "handoff",
         calls=(
             subjects.EVENTS_APPEND,
-            subjects.EVENTS_APPEND_MANY,  # its outbox relay (servicekit.outbox.LogAppender)
+            subjects.EVENTS_APPEND_MANY,  # its outbox relay (servicekit.outbox.CommandSender)
             subjects.EVENTS_GET,
             subjects.SESSIONS_GET,
         ),

@@ -9,24 +9,29 @@ A service declares its bus surface beside its handlers::
     async def offer(cmd: OfferHandoff, repo: HandoffRepository) -> OfferReply: ...
 
     @svc.subscribe(CLOSINGS)
-    async def on_closed(event: Event, tx: Transaction) -> None: ...
+    async def on_closed(event: Event, repo: HandoffRepository) -> None: ...
 
 (`schema=None`: a service that keeps nothing durable, the gateway, gets no Postgres)
 and its `app.py`, the composition root (cosmicpython's `bootstrap`), builds the parts
 and runs it::
 
     async with svc.open(settings) as rt:
-        rt.relay(LogAppender(rt.nc))
-        await svc.serve(rt, repo=HandoffRepository(rt.pool))
+        relay = rt.relay(CommandSender(rt.nc))
+        await svc.serve(rt, repo=HandoffRepository(rt.pool, relay.wake))
 
 The first parameter of a handler is its message, parsed into the model its annotation
 names (FastStream: the signature is the contract). The others are dependencies,
-injected by name: whatever `serve` was given, `nc`, `js`, `pool`, `settings`, and two
-the kit makes for each message of a subscription:
-- `tx`: a `Transaction` opened around the handler, committed when it returns; its
-  `outbox` is where the handler's events go (`tx.outbox.append(event)`), and with
-  `claim=True` the message id is claimed in it first (a repeat is acked, not handled);
-- `attempt`: which delivery of the message this is (`attempt.last`: no retry follows).
+injected by name: whatever `serve` was given, `nc`, `js`, `pool`, `settings`, and one
+the kit makes for each message of a subscription, `attempt`: which delivery of the
+message this is (`attempt.last`: no retry follows). A handler writes its state and its
+events through its repository's transaction (`servicekit.outbox.with_outbox`), as a
+command does.
+
+With `claim=True` the message id is claimed in a transaction around the handler,
+committed when it returns: a repeat is acked, not handled. The handler's own writes
+commit in their own transaction, so it stays idempotent for a crash between the two;
+a handler whose effect must commit with the claim claims in its own transaction
+(`servicekit.consumer.claim_once`).
 
 Subscriptions get the consumer rules of `servicekit.consumer`: ack after the handler
 returns (after commit), nak with backoff on failure, dead-letter a message that can
@@ -49,10 +54,8 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent, claim_once
-from servicekit.db import Connection
 from servicekit.endpoint import Endpoints
 from servicekit.metrics import CONSUMER_PENDING
-from servicekit.outbox import Outbox
 from servicekit.retention import Retention, RetentionPolicy
 from servicekit.runtime import Runtime, open_runtime, wait_until_stopped
 from servicekit.settings import ServiceSettings
@@ -61,15 +64,7 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 # A consumer's spec, or how to make it from the service's settings.
 SpecOf = ConsumerSpec | Callable[[Any], ConsumerSpec]
 # Made by the kit for each message, not given to `serve`.
-PER_MESSAGE = frozenset({"tx", "attempt"})
-
-
-@dataclass(frozen=True)
-class Transaction:
-    """The transaction a subscription's handler runs in, and its outbox."""
-
-    conn: Connection
-    outbox: Outbox
+PER_MESSAGE = frozenset({"attempt"})
 
 
 @dataclass(frozen=True)
@@ -249,11 +244,10 @@ class Service:
     def _consume(
         self, rt: Runtime, sub: Subscription, spec: ConsumerSpec, deps: Mapping[str, Any]
     ) -> Handler:
-        """The raw-message handler: parse, claim, run in a transaction, by the handler's
+        """The raw-message handler: parse, claim (`claim=True`), run, by the handler's
         signature."""
         wanted = set(inspect.signature(sub.handler).parameters)
         bound = _dependencies(sub.handler, deps, PER_MESSAGE)
-        in_transaction = sub.claim or "tx" in wanted
 
         async def handle(msg: Msg) -> None:
             try:
@@ -263,17 +257,15 @@ class Service:
             kwargs = dict(bound)
             if "attempt" in wanted:
                 kwargs["attempt"] = Attempt(msg.metadata.num_delivered, spec.max_deliver)
-            if not in_transaction:
+            if not sub.claim:
                 await sub.handler(message, **kwargs)
                 return
             msg_id = (msg.headers or {}).get("Nats-Msg-Id") or (
                 f"{spec.stream}:{msg.metadata.sequence.stream}"
             )
             async with rt.pool.acquire() as conn, conn.transaction():
-                if sub.claim and not await claim_once(conn, spec.durable, msg_id):
+                if not await claim_once(conn, spec.durable, msg_id):
                     return  # handled before: its effect is committed
-                if "tx" in wanted:
-                    kwargs["tx"] = Transaction(conn, Outbox(conn))
                 await sub.handler(message, **kwargs)
 
         return handle

@@ -23,8 +23,9 @@ from contracts.session_events import AppendEvent
 from domain.errors import DomainError
 from servicekit.cancellation import stop
 from servicekit.consumer import ConsumerSpec, claim_once
+from servicekit.outbox import with_outbox
 from servicekit.runtime import Runtime
-from servicekit.service import Attempt, Service, Transaction, session_of_subject
+from servicekit.service import Attempt, Service, session_of_subject
 from servicekit.settings import ServiceSettings
 from servicekit.testing import wait_for
 
@@ -164,19 +165,20 @@ async def test_a_subscription_commits_its_outbox_row_once_then_acks(
     seen = Seen()
 
     @svc.subscribe(spec, claim=True)
-    async def noted(note: Note, tx: Transaction, attempt: Attempt) -> None:
+    async def noted(note: Note, attempt: Attempt) -> None:
         seen.attempts.append(attempt)
-        await tx.outbox.append(
-            AppendEvent(
-                session_id=note.session_id,
-                type="chat.message",
-                actor="system:kit-tests",
-                payload={"text": f"note {note.n}"},
-                idempotency_key=f"note:{note.n}",
+        async with with_outbox(pool, None) as (_, outbox):
+            await outbox.append(
+                AppendEvent(
+                    session_id=note.session_id,
+                    type="chat.message",
+                    actor="system:kit-tests",
+                    payload={"text": f"note {note.n}"},
+                    idempotency_key=f"note:{note.n}",
+                )
             )
-        )
-        if attempt.number == 1:
-            raise ConnectionError("the store blinked")  # rolls the row back: retried
+            if attempt.number == 1:
+                raise ConnectionError("the store blinked")  # rolls the row back: retried
 
     await serve(svc)
     session = uuid.uuid4()

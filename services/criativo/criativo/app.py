@@ -31,6 +31,7 @@ async def main(settings: CriativoSettings | None = None) -> None:
             budget_micros=settings.session_budget_micros,
             in_progress_wait_seconds=settings.turn_in_progress_wait_seconds,
         )
+        offer_relay = rt.relay(OfferSender(rt.nc), "offer-relay")
         work = SessionWork(
             rt.nc,
             rt.pool,
@@ -39,9 +40,9 @@ async def main(settings: CriativoSettings | None = None) -> None:
             turns,
             settings.crash_limit,
             settings.dependency_wait_seconds,
+            offer_relay.wake,
         )
         actors = Actors(work, settings.idle_seconds)
-        rt.relay(OfferSender(rt.nc), "offer-relay")
         try:
             await svc.serve(rt, actors=actors)
         finally:

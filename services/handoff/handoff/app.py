@@ -6,7 +6,7 @@ from handoff.batching import OfferBatcher
 from handoff.directory import SessionDirectory
 from handoff.handlers import CLOSINGS, SERVICE, svc
 from handoff.repository import HandoffRepository
-from servicekit.outbox import LogAppender
+from servicekit.outbox import CommandSender
 from servicekit.runtime import run_service
 from servicekit.sessionlog import SessionLogClient
 from servicekit.settings import ServiceSettings
@@ -17,8 +17,8 @@ __all__ = ["CLOSINGS", "main", "run"]
 async def main(settings: ServiceSettings | None = None) -> None:
     """Serve the handoff commands, relay its events to the log, follow session closings."""
     async with svc.open(settings or ServiceSettings()) as rt:
-        relay = rt.relay(LogAppender(rt.nc))
-        repo = HandoffRepository(rt.pool, relay)
+        relay = rt.relay(CommandSender(rt.nc))
+        repo = HandoffRepository(rt.pool, relay.wake)
         await svc.serve(
             rt,
             repo=repo,

@@ -23,7 +23,7 @@ async def main(settings: LogSettings | None = None) -> None:
     settings = settings or LogSettings()
     async with svc.open(settings) as rt:
         relay = rt.relay(JetStreamPublisher(rt.nc))
-        repo = LogRepository(rt.pool, relay)
+        repo = LogRepository(rt.pool, relay.wake)
         rt.background(
             run_reaper(repo, settings.heartbeat_timeout_seconds, settings.reaper_interval_seconds),
             "reaper",
