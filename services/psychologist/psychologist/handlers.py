@@ -12,7 +12,7 @@ from itertools import groupby
 from nats.aio.client import Client
 from pydantic import Field
 
-from contracts import catalog, streams, subjects
+from contracts import catalog, streams
 from contracts.catalog import SESSION_CLOSINGS_FILTER
 from contracts.common import ErrorCode, person_of
 from contracts.events import SESSION_CLOSINGS, Event
@@ -81,7 +81,7 @@ async def refuse_when_over(nc: Client, project_id: str, person: str | None) -> N
         raise limit_refusal(use, datetime.now(UTC))
 
 
-@svc.command(subjects.PSYCHOLOGIST_REANALYZE)
+@svc.command(catalog.PSYCHOLOGIST_REANALYZE)
 async def reanalyze(
     cmd: Reanalyze, session_log: SessionLogClient, analyst: Analyst, nc: Client
 ) -> AnalysisOutcome:
@@ -106,7 +106,7 @@ async def reanalyze(
     return await analyst.analyse(prepared, last_attempt=True)
 
 
-@svc.command(subjects.HYPOTHESES_ACCEPT)
+@svc.command(catalog.HYPOTHESES_ACCEPT)
 async def accept(cmd: HypothesisDecision, repo: PsychologistRepository) -> HypothesisReply:
     async with repo.transaction() as tx:
         return HypothesisReply(
@@ -114,7 +114,7 @@ async def accept(cmd: HypothesisDecision, repo: PsychologistRepository) -> Hypot
         )
 
 
-@svc.command(subjects.HYPOTHESES_DISMISS)
+@svc.command(catalog.HYPOTHESES_DISMISS)
 async def dismiss(cmd: HypothesisDecision, repo: PsychologistRepository) -> HypothesisReply:
     async with repo.transaction() as tx:
         return HypothesisReply(
@@ -122,7 +122,7 @@ async def dismiss(cmd: HypothesisDecision, repo: PsychologistRepository) -> Hypo
         )
 
 
-@svc.command(subjects.HYPOTHESES_LIST)
+@svc.command(catalog.HYPOTHESES_LIST)
 async def list_hypotheses(cmd: ListHypotheses, repo: PsychologistRepository) -> HypothesesReply:
     found = await repo.list_hypotheses(cmd.project_id, cmd.status, cmd.include_superseded)
     return HypothesesReply(
