@@ -10,7 +10,6 @@ from datetime import UTC, datetime
 from itertools import groupby
 
 from nats.aio.client import Client
-from pydantic import Field
 
 from contracts import catalog, streams
 from contracts.catalog import SESSION_CLOSINGS_FILTER
@@ -32,13 +31,13 @@ from domain.psychologist import HypothesisStatus
 from psychologist import lifecycle
 from psychologist.analysis import Analyst, Retry
 from psychologist.repository import PsychologistRepository
+from psychologist.settings import PsychologistSettings
 from servicekit.client import call
 from servicekit.consumer import ConsumerSpec
 from servicekit.logs import get_logger
 from servicekit.provenance import confirm
 from servicekit.service import Attempt, Service
 from servicekit.sessionlog import SessionLogClient
-from servicekit.settings import ServiceSettings
 
 log = get_logger(__name__)
 
@@ -53,22 +52,6 @@ svc = Service(
 )
 # ADR 0015 decision 1: the original ran as a job with max_attempts 5.
 MAX_DELIVER = 5
-
-
-class PsychologistSettings(ServiceSettings):
-    """The psychologist's own knobs (`AGENTBUS_ANALYSIS_WORKERS`, …)."""
-
-    # Analyses run at once per replica: each worker pulls one closing at a time, so
-    # nothing is over-fetched, as a `max_workers` pull pool would
-    # (docs/decisions/0001-own-jetstream-consumer.md).
-    analysis_workers: int = 4
-    max_tokens: int = 4096
-    # Redelivery delays; the first is also how long a killed replica's message waits.
-    redelivery_backoff: list[float] = Field(default_factory=lambda: [3.0, 10.0, 30.0, 60.0])
-    # A model turn with no reply this long lost its metering replica (SIGKILLed mid-call:
-    # no reply will ever come): tried again under its next retry id instead of holding
-    # the closing for the request's 600 s. Longer than a whole reply of `max_tokens` takes.
-    turn_lost_seconds: float = 180.0
 
 
 async def refuse_when_over(nc: Client, project_id: str, person: str | None) -> None:
