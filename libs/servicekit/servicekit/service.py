@@ -23,9 +23,9 @@ The first parameter of a handler is its message, parsed into the model its annot
 names (FastStream: the signature is the contract). A command declared by the catalog's
 `Command` has its handler's request and reply annotations checked against the catalog
 when it is declared, so a handler wired to the wrong command fails at import, not on
-its first request. The others are dependencies,
-injected by name: whatever `serve` was given, `nc`, `js`, `pool`, `settings`, and two
-the kit makes for each message of a subscription:
+its first request. The others are dependencies, injected by name: whatever `serve` was
+given, `nc`, `js`, `pool`, `settings`, and two the kit makes for each message of a
+subscription:
 - `tx`: a `Transaction` opened around the handler, committed when it returns; its
   `outbox` is where the handler's events go (`tx.outbox.append(event)`), and with
   `claim=True` the message id is claimed in it first (a repeat is acked, not handled);
