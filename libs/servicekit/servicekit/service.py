@@ -5,7 +5,7 @@ A service declares its bus surface beside its handlers::
     svc = Service("handoff", "0.1.0", "Handoffs…", schema="handoff",
                   migrations=["handoff.migrations"])
 
-    @svc.command(subjects.HANDOFFS_OFFER)
+    @svc.command(catalog.HANDOFFS_OFFER)
     async def offer(cmd: OfferHandoff, repo: HandoffRepository) -> OfferReply: ...
 
     @svc.subscribe(CLOSINGS)
@@ -20,12 +20,14 @@ and runs it::
         await svc.serve(rt, repo=HandoffRepository(rt.pool, relay.wake))
 
 The first parameter of a handler is its message, parsed into the model its annotation
-names (FastStream: the signature is the contract). The others are dependencies,
-injected by name: whatever `serve` was given, `nc`, `js`, `pool`, `settings`, and one
-the kit makes for each message of a subscription, `attempt`: which delivery of the
-message this is (`attempt.last`: no retry follows). A handler writes its state and its
-events through its repository's transaction (`servicekit.outbox.with_outbox`), as a
-command does.
+names (FastStream: the signature is the contract). A command declared by the catalog's
+`Command` has its handler's request and reply annotations checked against the catalog
+when it is declared, so a handler wired to the wrong command fails at import, not on
+its first request. The others are dependencies, injected by name: whatever `serve` was
+given, `nc`, `js`, `pool`, `settings`, and one the kit makes for each message of a
+subscription, `attempt`: which delivery of the message this is (`attempt.last`: no
+retry follows). A handler writes its state and its events through its repository's
+transaction (`servicekit.outbox.with_outbox`), as a command does.
 
 With `claim=True` the message id is claimed in a transaction around the handler,
 committed when it returns: a repeat is acked, not handled. The handler's own writes
@@ -53,6 +55,7 @@ from typing import Any, TypeVar
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
+from contracts.catalog import Command
 from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent, claim_once
 from servicekit.endpoint import Endpoints
 from servicekit.metrics import CONSUMER_PENDING
@@ -116,6 +119,38 @@ def message_model(handler: Callable[..., Any]) -> type[BaseModel]:
     return model
 
 
+def _check_signature(command: Command[Any, Any], handler: Callable[..., Any]) -> None:
+    """Refuse a handler whose request or reply annotation is not the catalog's."""
+    first = next(iter(inspect.signature(handler).parameters), None)
+    try:
+        hints = typing.get_type_hints(handler)
+    except NameError as exc:  # an annotation imported only for type checking
+        raise TypeError(
+            f"{command.subject}: the annotations of {handler.__qualname__} must be importable "
+            f"at run time to be checked against the catalog ({exc})"
+        ) from None
+    found = {
+        "request": hints.get(first) if first is not None else None,
+        "reply": hints.get("return"),
+    }
+    expected = {"request": command.request, "reply": command.reply}
+    wrong = [part for part in expected if found[part] is not expected[part]]
+    if wrong:
+        raise TypeError(
+            f"{command.subject}: {handler.__qualname__} does not match the catalog: "
+            + "; ".join(
+                f"{part} expected {_type_name(expected[part])}, found {_type_name(found[part])}"
+                for part in wrong
+            )
+        )
+
+
+def _type_name(annotation: object) -> str:
+    if annotation is None:
+        return "no annotation"
+    return annotation.__name__ if isinstance(annotation, type) else repr(annotation)
+
+
 def session_of_subject(msg: Msg) -> str:
     """An event's session: the last token of `<domain>.<name>.<project>.<session>`."""
     return msg.subject.rsplit(".", 1)[-1]
@@ -151,11 +186,24 @@ class Service:
         self.commands: list[_CommandDecl] = []
         self.subscriptions: list[Subscription] = []
 
-    def command(self, subject: str, request: type[BaseModel] | None = None) -> Callable[[F], F]:
-        """Answer `subject` with the handler; its request model is its first parameter's."""
+    def command(
+        self, command: Command[Any, Any] | str, request: type[BaseModel] | None = None
+    ) -> Callable[[F], F]:
+        """Answer a command with the handler. Given the catalog's `Command`, the handler's
+        request and reply annotations must be its models, and this service its server;
+        given a bare subject, the request model is the handler's first parameter's."""
 
         def register(handler: F) -> F:
-            model = request or message_model(handler)
+            if isinstance(command, Command):
+                if command.service != self.name:
+                    raise TypeError(
+                        f"{command.subject} is served by {command.service} in the catalog, "
+                        f"not by {self.name}"
+                    )
+                _check_signature(command, handler)
+                subject, model = command.subject, command.request
+            else:
+                subject, model = command, request or message_model(handler)
             self.commands.append(_CommandDecl(subject, model, handler))
             return handler
 

@@ -19,7 +19,14 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from pydantic import BaseModel
 
-from contracts.session_events import AppendEvent
+from contracts import catalog
+from contracts.session_events import (
+    AppendEvent,
+    ListSessions,
+    SessionRef,
+    SessionsReply,
+    SessionView,
+)
 from domain.errors import DomainError
 from servicekit.cancellation import stop
 from servicekit.consumer import ConsumerSpec, claim_once
@@ -319,6 +326,49 @@ def test_a_handler_whose_message_is_not_a_model_is_refused_when_declared() -> No
         raise AssertionError("declared a command without a request model")
     svc.command("cmd.toy.untyped", Add)(untyped)  # named in the decorator: fine
     assert [(c.subject, c.request) for c in svc.commands] == [("cmd.toy.untyped", Add)]
+
+
+def test_a_handler_not_matching_its_catalog_command_is_refused_when_declared() -> None:
+    svc = Service("session_events", "1.0.0", "A toy log.", schema=KIT_SCHEMA)
+
+    async def get_session(cmd: SessionRef) -> SessionView:
+        raise NotImplementedError
+
+    async def list_sessions(cmd: ListSessions) -> SessionsReply:
+        raise NotImplementedError
+
+    async def unannotated(cmd, repo):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    with pytest.raises(TypeError) as wrong_request:
+        svc.command(catalog.SESSIONS_LIST)(get_session)
+    assert str(wrong_request.value).startswith("cmd.sessions.list: ")
+    assert str(wrong_request.value).endswith(
+        ".get_session does not match the catalog: "
+        "request expected ListSessions, found SessionRef; "
+        "reply expected SessionsReply, found SessionView"
+    )
+    with pytest.raises(TypeError) as wrong_reply:
+        svc.command(catalog.SESSIONS_HEARTBEAT)(get_session)
+    assert str(wrong_reply.value).endswith(
+        ".get_session does not match the catalog: reply expected HeartbeatReply, found SessionView"
+    )
+    with pytest.raises(TypeError) as untyped:
+        svc.command(catalog.SESSIONS_GET)(unannotated)
+    assert "request expected SessionRef, found no annotation" in str(untyped.value)
+    with pytest.raises(TypeError) as elsewhere:
+        svc.command(catalog.HANDOFFS_LIST)(list_sessions)
+    assert str(elsewhere.value) == (
+        "cmd.handoffs.list is served by handoff in the catalog, not by session_events"
+    )
+    assert svc.commands == []
+
+    svc.command(catalog.SESSIONS_GET)(get_session)
+    svc.command(catalog.SESSIONS_LIST)(list_sessions)
+    assert [(c.subject, c.request) for c in svc.commands] == [
+        ("cmd.sessions.get", SessionRef),
+        ("cmd.sessions.list", ListSessions),
+    ]
 
 
 def test_held_messages_are_reported_in_progress_well_within_backoff_and_ack_wait() -> None:

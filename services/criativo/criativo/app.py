@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from criativo.actors import Actors
-from criativo.handlers import SERVICE, CriativoSettings, inputs_spec, svc
+from criativo.handlers import SERVICE, inputs_spec, svc
 from criativo.lease import open_leases
 from criativo.offers import OfferSender
 from criativo.session import SessionWork
+from criativo.settings import CriativoSettings
 from criativo.turns import Turns
 from harness import MeteringClient
 from servicekit.runtime import run_service
 from servicekit.sessionlog import SessionLogClient
 
-__all__ = ["CriativoSettings", "inputs_spec", "main", "run"]
+__all__ = ["inputs_spec", "main", "run"]
 
 
 async def main(settings: CriativoSettings | None = None) -> None:

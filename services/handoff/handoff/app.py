@@ -6,6 +6,7 @@ from handoff.batching import OfferBatcher
 from handoff.directory import SessionDirectory
 from handoff.handlers import CLOSINGS, SERVICE, svc
 from handoff.repository import HandoffRepository
+from handoff.settings import HandoffSettings
 from servicekit.outbox import CommandSender
 from servicekit.runtime import run_service
 from servicekit.sessionlog import SessionLogClient
@@ -16,7 +17,7 @@ __all__ = ["CLOSINGS", "main", "run"]
 
 async def main(settings: ServiceSettings | None = None) -> None:
     """Serve the handoff commands, relay its events to the log, follow session closings."""
-    async with svc.open(settings or ServiceSettings()) as rt:
+    async with svc.open(settings or HandoffSettings()) as rt:
         relay = rt.relay(CommandSender(rt.nc))
         repo = HandoffRepository(rt.pool, relay.wake)
         await svc.serve(

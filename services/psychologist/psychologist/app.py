@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from harness import MeteringClient
 from psychologist.analysis import Analyst
-from psychologist.handlers import SERVICE, PsychologistSettings, closings_spec, svc
+from psychologist.handlers import SERVICE, closings_spec, svc
 from psychologist.repository import PsychologistRepository
+from psychologist.settings import PsychologistSettings
 from servicekit.outbox import CommandSender
 from servicekit.runtime import run_service
 from servicekit.sessionlog import SessionLogClient
 
-__all__ = ["PsychologistSettings", "closings_spec", "main", "run"]
+__all__ = ["closings_spec", "main", "run"]
 
 
 async def main(settings: PsychologistSettings | None = None) -> None:
