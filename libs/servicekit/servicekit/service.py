@@ -27,13 +27,9 @@ its first request. The others are dependencies, injected by name: whatever `serv
 given, `nc`, `js`, `pool`, `settings`, and one the kit makes for each message of a
 subscription, `attempt`: which delivery of the message this is (`attempt.last`: no
 retry follows). A handler writes its state and its events through its repository's
-transaction (`servicekit.outbox.with_outbox`), as a command does.
-
-With `claim=True` the message id is claimed in a transaction around the handler,
-committed when it returns: a repeat is acked, not handled. The handler's own writes
-commit in their own transaction, so it stays idempotent for a crash between the two;
-a handler whose effect must commit with the claim claims in its own transaction
-(`servicekit.consumer.claim_once`).
+transaction (`servicekit.outbox.with_outbox`), as a command does; a handler whose
+effect must happen once per message claims the message id in that same transaction
+(`servicekit.consumer.claim_once`), so the claim and the effect commit together.
 
 Subscriptions get the consumer rules of `servicekit.consumer`: ack after the handler
 returns (after commit), nak with backoff on failure, dead-letter a message that can
@@ -56,7 +52,7 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from contracts.catalog import Command
-from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent, claim_once
+from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent
 from servicekit.endpoint import Endpoints
 from servicekit.metrics import CONSUMER_PENDING
 from servicekit.retention import Retention, RetentionPolicy
@@ -90,7 +86,6 @@ class Subscription:
     spec: SpecOf
     model: type[BaseModel]
     handler: Callable[..., Awaitable[None]]
-    claim: bool
     per_session: bool
 
     def spec_for(self, settings: ServiceSettings) -> ConsumerSpec:
@@ -214,14 +209,13 @@ class Service:
         spec: SpecOf,
         model: type[BaseModel] | None = None,
         *,
-        claim: bool = False,
         per_session: bool = False,
     ) -> Callable[[F], F]:
         """Consume the durable `spec` (or `spec(settings)`) with the handler."""
 
         def register(handler: F) -> F:
             parsed = model or message_model(handler)
-            self.subscriptions.append(Subscription(spec, parsed, handler, claim, per_session))
+            self.subscriptions.append(Subscription(spec, parsed, handler, per_session))
             return handler
 
         return register
@@ -276,7 +270,7 @@ class Service:
         spec = sub.spec_for(rt.settings)
         # Created once here, so the pullers below only bind to it.
         await rt.js.add_consumer(spec.stream, spec.config())
-        handler = self._consume(rt, sub, spec, deps)
+        handler = self._consume(sub, spec, deps)
         key = session_of_subject if sub.per_session else None
 
         async def lag() -> None:
@@ -289,11 +283,8 @@ class Service:
             suffix = f"-{worker}" if spec.workers > 1 else ""
             rt.background(consumer.run(), f"{spec.durable}{suffix}")
 
-    def _consume(
-        self, rt: Runtime, sub: Subscription, spec: ConsumerSpec, deps: Mapping[str, Any]
-    ) -> Handler:
-        """The raw-message handler: parse, claim (`claim=True`), run, by the handler's
-        signature."""
+    def _consume(self, sub: Subscription, spec: ConsumerSpec, deps: Mapping[str, Any]) -> Handler:
+        """The raw-message handler: parse, then run by the handler's signature."""
         wanted = set(inspect.signature(sub.handler).parameters)
         bound = _dependencies(sub.handler, deps, PER_MESSAGE)
 
@@ -305,16 +296,7 @@ class Service:
             kwargs = dict(bound)
             if "attempt" in wanted:
                 kwargs["attempt"] = Attempt(msg.metadata.num_delivered, spec.max_deliver)
-            if not sub.claim:
-                await sub.handler(message, **kwargs)
-                return
-            msg_id = (msg.headers or {}).get("Nats-Msg-Id") or (
-                f"{spec.stream}:{msg.metadata.sequence.stream}"
-            )
-            async with rt.pool.acquire() as conn, conn.transaction():
-                if not await claim_once(conn, spec.durable, msg_id):
-                    return  # handled before: its effect is committed
-                await sub.handler(message, **kwargs)
+            await sub.handler(message, **kwargs)
 
         return handle
 

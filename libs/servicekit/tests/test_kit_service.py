@@ -29,7 +29,7 @@ from contracts.session_events import (
 )
 from domain.errors import DomainError
 from servicekit.cancellation import stop
-from servicekit.consumer import ConsumerSpec, claim_once
+from servicekit.consumer import ConsumerSpec
 from servicekit.outbox import with_outbox
 from servicekit.runtime import Runtime
 from servicekit.service import Attempt, Service, session_of_subject
@@ -171,7 +171,7 @@ async def test_a_subscription_commits_its_outbox_row_once_then_acks(
     svc = Service(f"toy_{uuid.uuid4().hex[:8]}", "1.0.0", "A toy service.", schema=KIT_SCHEMA)
     seen = Seen()
 
-    @svc.subscribe(spec, claim=True)
+    @svc.subscribe(spec)
     async def noted(note: Note, attempt: Attempt) -> None:
         seen.attempts.append(attempt)
         async with with_outbox(pool, None) as (_, outbox):
@@ -195,38 +195,7 @@ async def test_a_subscription_commits_its_outbox_row_once_then_acks(
     assert [(a.number, a.last) for a in seen.attempts] == [(1, False), (2, False)]
     rows = await pool.fetch("SELECT msg_id FROM outbox WHERE msg_id = 'note:1'")
     assert len(rows) == 1
-    assert (
-        await pool.fetchval(
-            "SELECT count(*) FROM processed_messages WHERE consumer = $1 AND msg_id = 'm-1'",
-            spec.durable,
-        )
-        == 1
-    )
     await pool.execute("DELETE FROM outbox WHERE msg_id = 'note:1'")
-
-
-async def test_a_message_claimed_before_is_acked_without_running_the_handler(
-    js: JetStreamContext, pool: asyncpg.Pool, stream: tuple[str, str], serve: Serve
-) -> None:
-    # As after a crash between the commit of the effect and the ack.
-    _, prefix = stream
-    spec = spec_for(stream)
-    svc = Service(f"toy_{uuid.uuid4().hex[:8]}", "1.0.0", "A toy service.", schema=KIT_SCHEMA)
-    seen = Seen()
-
-    @svc.subscribe(spec, claim=True)
-    async def noted(note: Note) -> None:
-        seen.started.append(note.n)
-
-    async with pool.acquire() as conn:
-        assert await claim_once(conn, spec.durable, "m-done")
-    await serve(svc)
-    session = uuid.uuid4()
-    await publish(js, f"{prefix}.n.p.{session}", Note(session_id=session, n=1), "m-done")
-    await publish(js, f"{prefix}.n.p.{session}", Note(session_id=session, n=2), "m-new")
-
-    await wait_for(lambda: settled(js, spec, 2), what="both notes acked")
-    assert seen.started == [2]
 
 
 async def test_a_message_that_is_not_the_model_is_dead_lettered_at_once(
