@@ -68,7 +68,7 @@ class TurnRunner:
     ) -> None:
         self._repo = repo
         self._catalog = catalog
-        # One provider alone serves every binding (as before bindings named providers).
+        # One provider alone serves every binding.
         self.providers = providers if isinstance(providers, Providers) else Providers(providers)
         self._nc = nc
         self.cancels = cancels or Cancellations()
