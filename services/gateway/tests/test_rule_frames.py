@@ -23,7 +23,7 @@ async def recorded_rule(nc: Client, session: uuid.UUID, title: str) -> uuid.UUID
         return (await call(nc, subjects.EVENTS_APPEND, request, AppendedReply)).event_id
 
     said = await appended(EventType.CHAT_MESSAGE, "user:ana", {"text": title})
-    rule = {"title": title, "statement": f"{title}.", "origin": [str(said)]}
+    rule: dict[str, object] = {"title": title, "statement": f"{title}.", "origin": [str(said)]}
     return await appended(EventType.ARTIFACT_BUSINESS_RULE, "agent:criativo", rule)
 
 
