@@ -5,8 +5,9 @@ waits here. While a batch is being written the next appends gather, and the next
 takes them all. With one producer a batch is one append, so nothing waits for a timer.
 
 A batch costs two round trips and holds no lock while Python decides: one statement reads
-its sessions, the events its idempotency keys already wrote and its causes; `decide`
-applies the log's rules to each append against them; one statement writes every event,
+its sessions, the events its idempotency keys already wrote, its causes and the rules it
+retires (each with whatever already retired it); `decide` applies the log's rules to
+each append against them; one statement writes every event,
 one outbox row each, moves the sessions' `last_seq` on and sends one NOTIFY. That write
 is a compare-and-set: it moves a session on only from the `last_seq` the read found, and
 when another writer moved one in between (a replica's batch, a close) it writes nothing
