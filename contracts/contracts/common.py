@@ -142,6 +142,10 @@ class ErrorCode(StrEnum):
     CAUSATION_NOT_FOUND = "causation_not_found"
     BRIEF_REQUIRES_READINESS = "brief_requires_readiness"
     ACTOR_NOT_ALLOWED = "actor_not_allowed"
+    # a retraction or correction naming no business rule of the session's project
+    RULE_NOT_FOUND = "rule_not_found"
+    # a retraction or correction of a rule already retracted or replaced
+    RULE_NOT_STANDING = "rule_not_standing"
     # handoff (ADR 0182 keeps the Portuguese codes on the wire)
     AGENTE_JA_ATIVO = "agente_ja_ativo"
     HANDOFF_NOT_FOUND = "handoff_not_found"

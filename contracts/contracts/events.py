@@ -60,6 +60,7 @@ class EventType(StrEnum):
     AGENT_RESPONSE = "agent.response"
     AGENT_ERROR = "agent.error"
     ARTIFACT_BUSINESS_RULE = "artifact.business_rule"
+    ARTIFACT_BUSINESS_RULE_RETRACTED = "artifact.business_rule_retracted"
     ARTIFACT_PRODUCT_BRIEF = "artifact.product_brief"
     CRIATIVO_READINESS_CONFIRMED = "criativo.readiness_confirmed"
     HANDOFF_OFFERED = "handoff.offered"
@@ -166,11 +167,24 @@ class CriativoReadinessConfirmed(Message):
 
 
 class BusinessRule(Message):
-    """A business rule the model recorded; `origin` cites the conversation it came from."""
+    """A business rule the model recorded; `origin` cites the conversation it came from.
+
+    With `replaces`, the person's correction of a rule: it stands in the named rule's
+    place, which stops standing (only a person may write one; the log's rules)."""
 
     title: NonBlank
     statement: NonBlank
     origin: list[UUID] = Field(min_length=1, description="ids of the chat messages it rests on")
+    replaces: UUID | None = Field(
+        default=None, description="the rule this one corrects, which stops standing"
+    )
+
+
+class BusinessRuleRetracted(Message):
+    """The person took a business rule back: it no longer stands (only a person may)."""
+
+    rule_id: UUID = Field(description="the `artifact.business_rule` event taken back")
+    reason: Text | None = None
 
 
 class ProductBrief(Message):
@@ -268,6 +282,7 @@ PAYLOADS: dict[EventType, type[Message]] = {
     EventType.AGENT_RESPONSE: AgentResponse,
     EventType.AGENT_ERROR: AgentError,
     EventType.ARTIFACT_BUSINESS_RULE: BusinessRule,
+    EventType.ARTIFACT_BUSINESS_RULE_RETRACTED: BusinessRuleRetracted,
     EventType.ARTIFACT_PRODUCT_BRIEF: ProductBrief,
     EventType.CRIATIVO_READINESS_CONFIRMED: CriativoReadinessConfirmed,
     EventType.HANDOFF_OFFERED: HandoffOffered,

@@ -13,8 +13,8 @@ from uuid import UUID
 
 from pydantic import Field, StringConstraints
 
-from contracts.common import TEXT_CHECK, AgentSlug, Int64, Message
-from contracts.events import Event, Utterance
+from contracts.common import TEXT_CHECK, AgentSlug, Int64, Message, Text
+from contracts.events import Event, NonBlank, Utterance
 from contracts.metering import TurnId
 
 Ref = Annotated[str, StringConstraints(min_length=1, max_length=100), TEXT_CHECK] | None
@@ -83,6 +83,25 @@ class StopTurn(ClientRequest):
     turn_id: TurnId
 
 
+class RetractRule(ClientRequest):
+    """The person takes back a business rule of the joined session (its card's Remove)."""
+
+    type: Literal["retract_rule"]
+    rule_id: UUID
+    reason: Text | None = None
+
+
+class CorrectRule(ClientRequest):
+    """The person corrects a business rule (its card's Edit): the corrected rule replaces
+    it; `origin` is what the rule rested on, carried over."""
+
+    type: Literal["correct_rule"]
+    rule_id: UUID
+    title: NonBlank
+    statement: NonBlank
+    origin: list[UUID] = Field(min_length=1)
+
+
 class Heartbeat(ClientRequest):
     """The client is still there (the gateway also beats on its own while connected)."""
 
@@ -98,6 +117,8 @@ ClientFrame = Annotated[
     | RejectHandoff
     | CloseSessionFrame
     | StopTurn
+    | RetractRule
+    | CorrectRule
     | Heartbeat,
     Field(discriminator="type"),
 ]

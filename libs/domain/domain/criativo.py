@@ -10,6 +10,11 @@ Invariants kept here, so no prompt has to keep them:
 - the model may emit only the artifacts of `known()`; `product_brief` is written by
   the service after the person's readiness, never through the tool;
 - a business rule's `origin` cites chat messages of this very conversation;
+- only standing rules are held (`Conversation.rules`): a rule the person retracted or
+  replaced by a correction leaves the fold, so no later prompt, digest or brief reads
+  it; a correction takes the place of the rule it replaces;
+- the model only records rules: retracting or correcting one is the person's (the
+  log's rules), so `emit_artifact` refuses a `replaces`;
 - a session's inputs are handled one at a time in `seq` order, none dropped, each
   at most once (`admit`);
 - an input is acted on only as the log holds it (`Conversation.inputs` keeps the
@@ -33,6 +38,7 @@ from contracts.common import ErrorCode
 from contracts.events import BusinessRule, Event, EventType, ProductBrief
 from contracts.metering import ChatMessage
 from domain.errors import DomainError
+from domain.log_rules import retired_rule
 
 CRIATIVO = "criativo"
 # Sessions where Criativo was never started get a stateless chat, the one ADR 0008
@@ -85,7 +91,10 @@ class RecordedRule:
 
 @dataclass(frozen=True)
 class Conversation:
-    """What Criativo knows of one session: the fold of its log up to `last_seq`."""
+    """What Criativo knows of one session: the fold of its log up to `last_seq`.
+
+    `rules` are the standing ones, in the order recorded (a correction where the rule it
+    replaced was): retracted and replaced rules are gone."""
 
     session_id: UUID
     project_id: str = ""
@@ -180,7 +189,9 @@ def apply(conv: Conversation, event: Event) -> Conversation:
         rule = RecordedRule(
             event.id, str(event.payload.get("title", "")), str(event.payload.get("statement", ""))
         )
-        return replace(conv, rules=(*conv.rules, rule))
+        return replace(conv, rules=_standing(conv.rules, retired_rule(kind, event.payload), rule))
+    if kind is EventType.ARTIFACT_BUSINESS_RULE_RETRACTED:
+        return replace(conv, rules=_standing(conv.rules, retired_rule(kind, event.payload)))
     if kind is EventType.ARTIFACT_PRODUCT_BRIEF and event.causation_id is not None:
         return replace(conv, briefs={**conv.briefs, event.causation_id: event.id})
     if kind is EventType.CRIATIVO_READINESS_CONFIRMED:
@@ -190,6 +201,17 @@ def apply(conv: Conversation, event: Event) -> Conversation:
     if kind in (EventType.SESSION_CLOSED, EventType.SESSION_CLOSED_ABNORMALLY):
         return replace(conv, closed=True)
     return conv
+
+
+def _standing(
+    rules: tuple[RecordedRule, ...], retired: UUID | None, new: RecordedRule | None = None
+) -> tuple[RecordedRule, ...]:
+    """`rules` without the `retired` one, with `new` in its place (or last, when the
+    retired rule is not among them: one of an earlier session, or none)."""
+    kept = [new if r.event_id == retired else r for r in rules]
+    if new is not None and new not in kept:
+        kept.append(new)
+    return tuple(r for r in kept if r is not None)
 
 
 def rebuild(session_id: UUID, events: list[Event]) -> Conversation:
@@ -272,7 +294,8 @@ def consolidation_messages(
 
 
 def rules_digest(conv: Conversation) -> str:
-    """The business rules already recorded, for the system prompt."""
+    """The business rules standing, for the system prompt (a retracted or replaced rule
+    is not there: the model must not build on what the person took back)."""
     if not conv.rules:
         return "(none yet)"
     return "\n".join(f"- [{r.event_id}] {r.title}: {r.statement}" for r in conv.rules)
@@ -302,6 +325,13 @@ def check_artifact(raw: dict[str, Any], conv: Conversation) -> BusinessRule:
             known=known(),
         )
     fields = {k: v for k, v in raw.items() if k != "type"}
+    if fields.get("replaces") is not None:
+        raise DomainError(
+            ErrorCode.INVALID_ARTIFACT,
+            "a business rule cannot replace another through this tool: only the person "
+            "corrects or retracts a rule. Record a new rule, or ask the person to edit the "
+            "one that is wrong.",
+        )
     try:
         rule = model.model_validate(fields)
     except ValidationError as exc:
@@ -331,7 +361,7 @@ _JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
 def brief_from_reply(text: str, conv: Conversation) -> ProductBrief:
-    """The brief from the consolidation turn's reply, resting on every recorded rule.
+    """The brief from the consolidation turn's reply, resting on every standing rule.
 
     The model is asked for a JSON object; prose (or broken JSON) still becomes a brief,
     because the person's readiness must never be left without one.

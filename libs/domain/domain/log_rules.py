@@ -7,11 +7,16 @@ Invariants kept here, so no prompt has to keep them:
 - a closed session refuses conversation (chat, agent, artifact, readiness) but still
   records system facts about it (handoff and psychologist events, RN-581);
 - `artifact.product_brief` comes only from `agent:criativo`, as the consequence of a
-  person's `criativo.readiness_confirmed` in the same session.
+  person's `criativo.readiness_confirmed` in the same session;
+- a business rule stops standing only by the person's word: a retraction
+  (`artifact.business_rule_retracted`) or a correction (an `artifact.business_rule`
+  with `replaces`) is written by a person, names a rule of the same project, and
+  retires a rule at most once (`check_retirement`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -20,7 +25,7 @@ from uuid import UUID
 from pydantic import ValidationError
 
 from contracts.common import ErrorCode, Message
-from contracts.events import PAYLOADS, EventType
+from contracts.events import PAYLOADS, Event, EventType
 from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES
 from domain.errors import DomainError
 
@@ -55,6 +60,8 @@ AUTHORS: dict[EventType, str] = {
     # Readiness is the person's action, never the model's inference (ADR 0008 decision 5).
     EventType.CRIATIVO_READINESS_CONFIRMED: "user:*",
     EventType.ARTIFACT_PRODUCT_BRIEF: "agent:criativo",
+    # Taking a rule back is the person's word, never the model's (see `check_retirement`).
+    EventType.ARTIFACT_BUSINESS_RULE_RETRACTED: "user:*",
 }
 
 
@@ -192,3 +199,79 @@ def _is_person_event_in(
         and causation.actor.startswith("user:")
         and causation.session_id == session_id
     )
+
+
+# --- retiring a business rule: retraction and correction ------------------------
+
+
+@dataclass(frozen=True)
+class RuleFacts:
+    """The event a retraction or correction names, as the log found it: its project,
+    its type, and the event that already retired it, if one did."""
+
+    event_id: UUID
+    project_id: str
+    type: str
+    retired_by: UUID | None = None
+
+
+def retired_rule(event_type: EventType, payload: Mapping[str, Any]) -> UUID | None:
+    """The rule an event takes out of standing: a retraction's `rule_id`, a correction's
+    `replaces`; None for every other event."""
+    if event_type is EventType.ARTIFACT_BUSINESS_RULE_RETRACTED:
+        named = payload.get("rule_id")
+    elif event_type is EventType.ARTIFACT_BUSINESS_RULE:
+        named = payload.get("replaces")
+    else:
+        return None
+    return UUID(str(named)) if named else None
+
+
+def check_retirement(
+    event_type: EventType, actor: str, project_id: str, rule_id: UUID, rule: RuleFacts | None
+) -> None:
+    """Refuse a retraction or correction of `rule_id` that the log's rules forbid.
+
+    Only a person retires a rule: a rule the model recorded is the model's reading of
+    the person, so only the person may say it was wrong. The rule may be of any session
+    of the session's project (whatever the log holds came before this append, so it is
+    of this session or an earlier one); a rule of another project is refused as not
+    found, so an id says nothing about projects the caller cannot see. A rule is
+    retired once: a second retraction, or a correction of a corrected rule, is refused
+    `rule_not_standing` (correct the correction instead)."""
+    if not actor.startswith("user:"):
+        raise DomainError(
+            ErrorCode.ACTOR_NOT_ALLOWED,
+            f"only a person may retract or correct a business rule, not {actor}",
+            actor=actor,
+        )
+    if (
+        rule is None
+        or rule.project_id != project_id
+        or rule.type != EventType.ARTIFACT_BUSINESS_RULE.value
+    ):
+        raise DomainError(
+            ErrorCode.RULE_NOT_FOUND,
+            f"{event_type.value} names {rule_id}, which is not a business rule of project "
+            f"{project_id}",
+            rule_id=str(rule_id),
+        )
+    if rule.retired_by is not None:
+        raise DomainError(
+            ErrorCode.RULE_NOT_STANDING,
+            f"business rule {rule_id} was already retracted or replaced (by event "
+            f"{rule.retired_by}); only a standing rule can be retracted or corrected",
+            rule_id=str(rule_id),
+            retired_by=str(rule.retired_by),
+        )
+
+
+def retirements(events: Iterable[Event]) -> dict[UUID, Event]:
+    """Each retired rule's id, with the retraction or correction that retired it (the
+    first, as the log admits only one)."""
+    retired: dict[UUID, Event] = {}
+    for event in events:
+        rule_id = retired_rule(event.type, event.payload)
+        if rule_id is not None:
+            retired.setdefault(rule_id, event)
+    return retired

@@ -33,6 +33,7 @@ from domain.criativo import (
     model_messages,
     readable_reason,
     rebuild,
+    rules_digest,
 )
 from domain.errors import DomainError
 
@@ -485,3 +486,94 @@ def test_a_limits_refusal_says_whose_which_and_when_it_resets(
 ) -> None:
     code = "rate_limited" if details["window"] == "minute" else "budget_exceeded"
     assert words in readable_reason(code, details)
+
+
+# --- standing rules: what the person retracted or corrected leaves the conversation ----
+
+RULE_2 = UUID("00000000-0000-4000-8000-000000000032")
+RULE_3 = UUID("00000000-0000-4000-8000-000000000033")
+FIXED = UUID("00000000-0000-4000-8000-000000000034")
+TAKEN_BACK = UUID("00000000-0000-4000-8000-000000000035")
+EARLIER_SESSION_RULE = UUID("00000000-0000-4000-8000-000000000036")
+RULES = [
+    *LOG,  # RULE: "cutoff: 6pm"
+    ev(6, RULE_2, EventType.ARTIFACT_BUSINESS_RULE, {"title": "pickup", "statement": "only"}, M2),
+    ev(7, RULE_3, EventType.ARTIFACT_BUSINESS_RULE, {"title": "cash", "statement": "no cards"}, M2),
+]
+
+
+def rule_event(seq: int, event_id: UUID, title: str, statement: str, replaces: UUID) -> Event:
+    payload = {"title": title, "statement": statement, "origin": [str(M2)]}
+    return ev(
+        seq, event_id, EventType.ARTIFACT_BUSINESS_RULE, payload | {"replaces": str(replaces)}
+    )
+
+
+def retraction(seq: int, event_id: UUID, rule_id: UUID) -> Event:
+    return ev(seq, event_id, EventType.ARTIFACT_BUSINESS_RULE_RETRACTED, {"rule_id": str(rule_id)})
+
+
+@pytest.mark.parametrize(
+    ("later", "digest"),
+    [
+        pytest.param(
+            [],
+            [f"[{RULE}] cutoff: 6pm", f"[{RULE_2}] pickup: only", f"[{RULE_3}] cash: no cards"],
+            id="all-standing",
+        ),
+        pytest.param(
+            [retraction(8, TAKEN_BACK, RULE_2)],
+            [f"[{RULE}] cutoff: 6pm", f"[{RULE_3}] cash: no cards"],
+            id="retracted-leaves",
+        ),
+        pytest.param(
+            [rule_event(8, FIXED, "cutoff", "7pm", RULE)],
+            [f"[{FIXED}] cutoff: 7pm", f"[{RULE_2}] pickup: only", f"[{RULE_3}] cash: no cards"],
+            id="correction-takes-its-place",
+        ),
+        pytest.param(
+            [rule_event(8, FIXED, "cutoff", "7pm", RULE), retraction(9, TAKEN_BACK, FIXED)],
+            [f"[{RULE_2}] pickup: only", f"[{RULE_3}] cash: no cards"],
+            id="correction-retracted",
+        ),
+        pytest.param(
+            [rule_event(8, FIXED, "delivery", "by noon", EARLIER_SESSION_RULE)],
+            [
+                f"[{RULE}] cutoff: 6pm",
+                f"[{RULE_2}] pickup: only",
+                f"[{RULE_3}] cash: no cards",
+                f"[{FIXED}] delivery: by noon",
+            ],
+            id="correction-of-an-earlier-sessions-rule-comes-last",
+        ),
+        pytest.param(
+            [retraction(8, TAKEN_BACK, EARLIER_SESSION_RULE)],
+            [f"[{RULE}] cutoff: 6pm", f"[{RULE_2}] pickup: only", f"[{RULE_3}] cash: no cards"],
+            id="retraction-of-a-rule-not-held",
+        ),
+        pytest.param(
+            [
+                retraction(8, TAKEN_BACK, RULE),
+                retraction(9, TAKEN_BACK, RULE_2),
+                retraction(10, FIXED, RULE_3),
+            ],
+            ["(none yet)"],
+            id="all-retracted",
+        ),
+    ],
+)
+def test_prompts_and_the_brief_read_only_standing_rules(
+    later: list[Event], digest: list[str]
+) -> None:
+    conv = rebuild(SESSION, [*RULES, *later])
+
+    assert rules_digest(conv).splitlines() == [f"- {d}" if d.startswith("[") else d for d in digest]
+    standing = [UUID(d[1:37]) for d in digest if d.startswith("[")]
+    assert brief_from_reply('{"title": "B", "summary": "s"}', conv).business_rule_ids == standing
+
+
+def test_the_model_cannot_replace_a_rule_through_the_tool() -> None:
+    with pytest.raises(DomainError) as info:
+        check_artifact({**GOOD_RULE, "replaces": str(RULE)}, ACTIVE)
+    assert info.value.code == ErrorCode.INVALID_ARTIFACT
+    assert "person" in info.value.message

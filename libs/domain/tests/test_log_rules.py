@@ -23,10 +23,13 @@ from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES
 from domain.errors import DomainError
 from domain.log_rules import (
     CausationFacts,
+    RuleFacts,
     check_append,
     check_payload_size,
+    check_retirement,
     known_event_type,
     parse_event_type,
+    retired_rule,
     session_not_found,
     validate_payload,
 )
@@ -193,6 +196,7 @@ VALID_PAYLOADS: dict[EventType, dict[str, Any]] = {
         "statement": "Toda receita publicada é visível sem login.",
         "origin": [ID_1, ID_2],
     },
+    EventType.ARTIFACT_BUSINESS_RULE_RETRACTED: {"rule_id": ID_3, "reason": "not what I meant"},
     EventType.ARTIFACT_PRODUCT_BRIEF: {
         "title": "App de receitas",
         "summary": "Um caderno de receitas compartilhado.",
@@ -296,6 +300,13 @@ INVALID_PAYLOADS = [
             "uuid_parsing"),
     Invalid("rule-blank-statement", T.ARTIFACT_BUSINESS_RULE,
             _with(T.ARTIFACT_BUSINESS_RULE, statement=" \n"), ("statement",), "string_too_short"),
+    Invalid("rule-replaces-not-uuid", T.ARTIFACT_BUSINESS_RULE,
+            _with(T.ARTIFACT_BUSINESS_RULE, replaces="rule 3"), ("replaces",), "uuid_parsing"),
+    Invalid("retraction-no-rule", T.ARTIFACT_BUSINESS_RULE_RETRACTED,
+            _without(T.ARTIFACT_BUSINESS_RULE_RETRACTED, "rule_id"), ("rule_id",), "missing"),
+    Invalid("retraction-rule-not-uuid", T.ARTIFACT_BUSINESS_RULE_RETRACTED,
+            _with(T.ARTIFACT_BUSINESS_RULE_RETRACTED, rule_id="the second rule"), ("rule_id",),
+            "uuid_parsing"),
     Invalid("brief-no-summary", T.ARTIFACT_PRODUCT_BRIEF,
             _without(T.ARTIFACT_PRODUCT_BRIEF, "summary"), ("summary",), "missing"),
     Invalid("brief-rule-id-not-uuid", T.ARTIFACT_PRODUCT_BRIEF,
@@ -420,7 +431,11 @@ WHEN_CLOSED = {
 WHEN_CLOSED_BY_TYPE = {"agent.error": "accept"}
 # Types only a person writes (ADR 0008 decision 5: readiness is the person's action).
 PERSON = "user:ana"
-PERSON_ONLY = {EventType.CHAT_MESSAGE, EventType.CRIATIVO_READINESS_CONFIRMED}
+PERSON_ONLY = {
+    EventType.CHAT_MESSAGE,
+    EventType.CRIATIVO_READINESS_CONFIRMED,
+    EventType.ARTIFACT_BUSINESS_RULE_RETRACTED,
+}
 
 
 def author_of(event_type: EventType) -> str:
@@ -611,3 +626,75 @@ def test_whitespace_only_chat_message_is_refused() -> None:
     error = refusal(validate_payload, EventType.CHAT_MESSAGE, {"text": " \n "})
 
     assert error.code == ErrorCode.INVALID_PAYLOAD
+
+
+# --- retracting and correcting a business rule ------------------------------------------
+
+PROJECT = "recipes"
+RULE_ID = UUID(ID_3)
+RETRACTION_ID = UUID("00000000-0000-4000-8000-0000000000b1")
+RULE = RuleFacts(RULE_ID, PROJECT, EventType.ARTIFACT_BUSINESS_RULE.value)
+RETRACT = EventType.ARTIFACT_BUSINESS_RULE_RETRACTED
+CORRECT = EventType.ARTIFACT_BUSINESS_RULE
+
+
+@pytest.mark.parametrize("event_type", [RETRACT, CORRECT], ids=str)
+def test_a_person_retires_a_standing_rule_of_the_project(event_type: EventType) -> None:
+    # Whichever session of the project recorded it: the log holds only what came before.
+    check_retirement(event_type, PERSON, PROJECT, RULE_ID, RULE)
+
+
+@pytest.mark.parametrize("event_type", [RETRACT, CORRECT], ids=str)
+@pytest.mark.parametrize("actor", [CRIATIVO, "system:criativo", "agent:po", "service:x"], ids=str)
+def test_only_a_person_retires_a_rule(event_type: EventType, actor: str) -> None:
+    error = refusal(check_retirement, event_type, actor, PROJECT, RULE_ID, RULE)
+
+    assert error.code == ErrorCode.ACTOR_NOT_ALLOWED
+    assert error.details == {"actor": actor}
+
+
+@pytest.mark.parametrize("event_type", [RETRACT, CORRECT], ids=str)
+@pytest.mark.parametrize(
+    "rule",
+    [
+        pytest.param(None, id="no-such-event"),
+        pytest.param(RuleFacts(RULE_ID, "another-project", CORRECT.value), id="other-project"),
+        pytest.param(RuleFacts(RULE_ID, PROJECT, EventType.CHAT_MESSAGE.value), id="a-message"),
+        pytest.param(RuleFacts(RULE_ID, PROJECT, RETRACT.value), id="a-retraction"),
+    ],
+)
+def test_retiring_what_is_not_a_rule_of_the_project_is_refused_as_not_found(
+    event_type: EventType, rule: RuleFacts | None
+) -> None:
+    error = refusal(check_retirement, event_type, PERSON, PROJECT, RULE_ID, rule)
+
+    assert error.code == ErrorCode.RULE_NOT_FOUND
+    assert error.details == {"rule_id": str(RULE_ID)}
+    # Refused alike whether the id exists elsewhere or nowhere: nothing about another project.
+    assert "another-project" not in error.message
+
+
+@pytest.mark.parametrize("event_type", [RETRACT, CORRECT], ids=str)
+def test_a_rule_already_retracted_or_replaced_is_not_standing(event_type: EventType) -> None:
+    retired = RuleFacts(RULE_ID, PROJECT, CORRECT.value, retired_by=RETRACTION_ID)
+
+    error = refusal(check_retirement, event_type, PERSON, PROJECT, RULE_ID, retired)
+
+    assert error.code == ErrorCode.RULE_NOT_STANDING
+    assert error.details == {"rule_id": str(RULE_ID), "retired_by": str(RETRACTION_ID)}
+
+
+@pytest.mark.parametrize(
+    ("event_type", "payload", "retires"),
+    [
+        pytest.param(RETRACT, {"rule_id": ID_3}, RULE_ID, id="retraction"),
+        pytest.param(CORRECT, {"replaces": ID_3}, RULE_ID, id="correction"),
+        pytest.param(CORRECT, {"replaces": None}, None, id="new-rule"),
+        pytest.param(CORRECT, {}, None, id="new-rule-without-field"),
+        pytest.param(EventType.CHAT_MESSAGE, {"rule_id": ID_3}, None, id="other-type"),
+    ],
+)
+def test_retired_rule_names_what_a_retraction_or_correction_retires(
+    event_type: EventType, payload: dict[str, Any], retires: UUID | None
+) -> None:
+    assert retired_rule(event_type, payload) == retires

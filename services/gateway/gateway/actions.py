@@ -15,14 +15,22 @@ from pydantic import BaseModel
 
 from contracts import catalog
 from contracts.common import Message
-from contracts.events import ChatMessage, CriativoReadinessConfirmed, EventType
+from contracts.events import (
+    BusinessRule,
+    BusinessRuleRetracted,
+    ChatMessage,
+    CriativoReadinessConfirmed,
+    EventType,
+)
 from contracts.gateway import (
     AcceptHandoff,
     Chat,
     CloseSessionFrame,
     ConfirmReadiness,
+    CorrectRule,
     Heartbeat,
     RejectHandoff,
+    RetractRule,
     StartAgent,
     StopTurn,
 )
@@ -69,6 +77,8 @@ class SessionActions:
             CloseSessionFrame: self.close,
             Heartbeat: self.heartbeat,
             StopTurn: self.stop_turn,
+            RetractRule: self.retract_rule,
+            CorrectRule: self.correct_rule,
         }
         act = table[type(frame)]
         return lambda: act(frame)
@@ -111,6 +121,26 @@ class SessionActions:
     async def confirm_readiness(self, _: ConfirmReadiness) -> AppendedReply:
         return await self._append(
             EventType.CRIATIVO_READINESS_CONFIRMED, CriativoReadinessConfirmed()
+        )
+
+    # Retracting and correcting are the person's events like a message: whether the rule
+    # is of the project and still stands is the log's to say (`rule_not_found`,
+    # `rule_not_standing`), and its refusal goes back to the page as it is.
+    async def retract_rule(self, frame: RetractRule) -> AppendedReply:
+        return await self._append(
+            EventType.ARTIFACT_BUSINESS_RULE_RETRACTED,
+            BusinessRuleRetracted(rule_id=frame.rule_id, reason=frame.reason),
+        )
+
+    async def correct_rule(self, frame: CorrectRule) -> AppendedReply:
+        return await self._append(
+            EventType.ARTIFACT_BUSINESS_RULE,
+            BusinessRule(
+                title=frame.title,
+                statement=frame.statement,
+                origin=frame.origin,
+                replaces=frame.rule_id,
+            ),
         )
 
     async def accept_handoff(self, frame: AcceptHandoff) -> AcceptReply:

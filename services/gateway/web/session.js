@@ -1,5 +1,6 @@
 // Event types are the wire contract's (contracts/contracts/events.py, contracts/asyncapi.json).
-// The session page: chat streaming token by token, rule cards, readiness, the brief
+// The session page: chat streaming token by token, rule cards (each removed or edited by
+// the person; only standing rules shown), readiness, the brief
 // being written then its card, the handoff divider, agent errors, Stop, and the event
 // log (?highlightEvent=<id>). Under real use (issue 10): a reconnect replays the deltas
 // of the turn in flight, so deltas are kept by (turn_id, seq) and each shown once; a
@@ -242,26 +243,12 @@ function onContent(e) {
       bubble("agent-error", `${p.agent}: ${p.reason}`, e);
       break;
     }
-    case "artifact.business_rule": {
-      const card = el("div", { class: "rule-card", "data-id": e.id },
-        el("h3", {}, markdown(p.title, { inline: true })),
-        el("div", { class: "statement" }, markdown(p.statement)));
-      // Linked to the message it came from (its last `origin`), shown in the chat.
-      const origin = (p.origin || []).at(-1);
-      if (origin) {
-        card.append(el("a", {
-          class: "from", href: `#msg-${origin}`,
-          onclick: (ev) => {
-            const said = document.getElementById(`msg-${origin}`);
-            if (!said) return;
-            ev.preventDefault();
-            jumpTo(said);
-          },
-        }, "From the message"));
-      }
-      document.getElementById("rules").append(card);
+    case "artifact.business_rule":
+      ruleCard(e);
       break;
-    }
+    case "artifact.business_rule_retracted":
+      document.querySelector(`#rules .rule-card[data-id="${p.rule_id}"]`)?.remove();
+      break;
     case "artifact.product_brief": {
       const card = briefCard(e);
       const live = endStream(e.causation_id);
@@ -290,8 +277,112 @@ function onContent(e) {
       showWriting();
       // Nothing is accepted in a closed session (RN-581): its offers are no longer actionable.
       chat.querySelectorAll(".divider button").forEach((b) => b.remove());
+      // Nor are its rules changed: Remove and Edit would only be refused.
+      document.querySelectorAll("#rules .rule-actions, #rules .rule-form").forEach((n) => n.remove());
       break;
   }
+}
+
+// --- the business rules: only the standing ones -------------------------------------
+//
+// A card per rule the log holds as standing: a retraction removes its card, a correction
+// takes the place of the card it replaces. The person removes a rule (after a confirm)
+// or edits it (the corrected text replaces it) from its card; the log decides, and a
+// refusal is said on the card.
+
+function ruleCard(e) {
+  const p = e.payload;
+  const said = el("p", { class: "rule-said", role: "status" });
+  const card = el("div", { class: "rule-card", "data-id": e.id },
+    el("h3", {}, markdown(p.title, { inline: true })),
+    el("div", { class: "statement" }, markdown(p.statement)));
+  // Linked to the message it came from (its last `origin`), shown in the chat.
+  const origin = (p.origin || []).at(-1);
+  if (origin) {
+    card.append(el("a", {
+      class: "from", href: `#msg-${origin}`,
+      onclick: (ev) => {
+        const said = document.getElementById(`msg-${origin}`);
+        if (!said) return;
+        ev.preventDefault();
+        jumpTo(said);
+      },
+    }, "From the message"));
+  }
+  const actions = el("p", { class: "rule-actions" },
+    el("button", { type: "button", class: "edit", onclick: () => editRule(card, e) }, "Edit"), " ",
+    el("button", { type: "button", class: "remove", onclick: () => confirmRemove(card, e) }, "Remove"));
+  card.append(actions, said);
+  const replaced = p.replaces && document.querySelector(`#rules .rule-card[data-id="${p.replaces}"]`);
+  if (replaced) replaced.replaceWith(card);
+  else document.getElementById("rules").append(card);
+}
+
+// The card's question, in place of its buttons until answered.
+function ask(card, form) {
+  card.querySelector(".rule-actions").hidden = true;
+  card.querySelector(".rule-said").textContent = "";
+  card.querySelector(".rule-form")?.remove();
+  card.querySelector(".rule-said").before(form);
+  form.querySelector("input, textarea, button")?.focus();
+}
+
+function stopAsking(card) {
+  card.querySelector(".rule-form")?.remove();
+  card.querySelector(".rule-actions").hidden = false;
+}
+
+function ruleFrame(card, frame, busy) {
+  if (!act({ ...frame, ref: `rule:${frame.rule_id}` })) return;
+  card.querySelectorAll(".rule-form button").forEach((b) => { b.disabled = true; });
+  card.querySelector(".rule-said").textContent = busy;
+}
+
+function confirmRemove(card, e) {
+  const reason = el("input", { type: "text", class: "reason", maxlength: "500", "aria-label": "Why (optional)", placeholder: "Why (optional)" });
+  const form = el("form", { class: "rule-form", "aria-label": "Remove this rule" },
+    el("p", {}, "Remove this rule? Criativo will no longer build on it."), reason, " ",
+    el("button", { type: "submit", class: "confirm-remove" }, "Remove"), " ",
+    el("button", { type: "button", class: "cancel", onclick: () => stopAsking(card) }, "Cancel"));
+  form.onsubmit = (ev) => {
+    ev.preventDefault();
+    const why = reason.value.trim();
+    ruleFrame(card, { type: "retract_rule", rule_id: e.id, ...(why ? { reason: why } : {}) }, "Removing…");
+  };
+  ask(card, form);
+}
+
+function editRule(card, e) {
+  const p = e.payload;
+  const title = el("input", { type: "text", class: "title", required: "", "aria-label": "Rule title" });
+  const statement = el("textarea", { class: "statement-text", rows: "3", required: "", "aria-label": "Rule statement" });
+  title.value = p.title;
+  statement.value = p.statement;
+  const form = el("form", { class: "rule-form", "aria-label": "Edit this rule" }, title, statement,
+    el("button", { type: "submit", class: "save" }, "Save"), " ",
+    el("button", { type: "button", class: "cancel", onclick: () => stopAsking(card) }, "Cancel"));
+  form.onsubmit = (ev) => {
+    ev.preventDefault();
+    if (!title.value.trim() || !statement.value.trim()) return;
+    ruleFrame(card, {
+      type: "correct_rule", rule_id: e.id, title: title.value, statement: statement.value, origin: p.origin,
+    }, "Saving…");
+  };
+  ask(card, form);
+}
+
+// What a refused Remove or Edit says on its card.
+const RULE_REFUSALS = {
+  rule_not_standing: "This rule was already removed or replaced (in another tab?): reload to see the rules that stand.",
+  rule_not_found: "This rule is not one of this project's.",
+  session_closed: "The session is closed: its rules can no longer change.",
+};
+
+function ruleRefused(ruleId, f) {
+  const card = document.querySelector(`#rules .rule-card[data-id="${ruleId}"]`);
+  if (!card) return;
+  card.querySelectorAll(".rule-form button").forEach((b) => { b.disabled = false; });
+  card.querySelector(".rule-said").textContent = RULE_REFUSALS[f.code] || `Not changed: ${f.message}`;
 }
 
 // --- the briefs: each a version, the last one current -------------------------------
@@ -370,6 +461,8 @@ function onFrame(f) {
     problem.textContent = "";
     if (f.of === "chat" && f.client_msg_id && f.result && f.result.duplicate) settlePending(f.client_msg_id);
   } else if (f.type === "error") {
+    const rule = refOf(f, "rule:");
+    if (rule) { ruleRefused(rule, f); return; }
     const decided = refOf(f, "decide:");
     // Decided already (another tab, another person): its event tells how, in the divider.
     if (decided && f.code === "invalid_transition") return;

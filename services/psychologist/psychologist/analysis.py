@@ -177,7 +177,10 @@ class Analyst:
         """Read everything the analysis is given and decide its tier."""
         session = await self._log.session(session_id)
         events = await self._log.events(session_id)
-        rules = await self._log.query(session.project_id, [EventType.ARTIFACT_BUSINESS_RULE])
+        rules = await self._log.query(
+            session.project_id,
+            [EventType.ARTIFACT_BUSINESS_RULE, EventType.ARTIFACT_BUSINESS_RULE_RETRACTED],
+        )
         earlier = await self._repo.earlier_hypotheses(session.project_id, session_id)
         termination = classify_termination(session.termination_reason)
         # The psychologist's own events (a reanalysed session holds the last analysis's)

@@ -4,6 +4,12 @@ The session's log comes last and every line ends with its `event_id`, so the ids
 model is asked to cite are the ones nearest to its answer. Ids of other sessions (rules
 and hypotheses recorded elsewhere) are left out on purpose: they could only be cited by
 mistake, and a citation of another session rejects the whole batch (decision 3).
+
+Business rules the person retracted or replaced are shown, marked, not left out: the
+Psicólogo judges how the agents behaved, and a rule the person had to take back or
+correct is itself evidence of how Criativo listened (a rule the person never stated, a
+misread detail). Marked, so they are never taken for rules that stand; the retraction
+or correction, when it is of this session, is in the log below with its id.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 
-from contracts.events import Event
+from contracts.events import Event, EventType
 from contracts.psychologist import Hypothesis
 from contracts.session_events import SessionView
+from domain.log_rules import retirements
 from domain.psychologist import Termination
 
 # One event's payload is cut beyond this, so a single huge event cannot crowd out the rest.
@@ -37,6 +44,8 @@ class AnalysisContext:
 
     session: SessionView
     events: Sequence[Event]
+    # The project's `artifact.business_rule` events, and its retractions (which say
+    # which rules stopped standing); oldest first.
     business_rules: Sequence[Event]
     earlier: Sequence[Hypothesis]
     termination: Termination
@@ -71,12 +80,15 @@ def render(ctx: AnalysisContext) -> str:
         "",
         "# Business rules of the project",
     ]
-    for rule in ctx.business_rules:
+    rules = [r for r in ctx.business_rules if r.type is EventType.ARTIFACT_BUSINESS_RULE]
+    retired = retirements(ctx.business_rules)
+    for rule in rules:
         here = " (recorded in this session)" if rule.session_id == session.session_id else ""
         lines.append(
             f"- {rule.payload.get('title', '')}: {rule.payload.get('statement', '')}{here}"
+            f"{_standing(rule, retired.get(rule.id))}"
         )
-    if not ctx.business_rules:
+    if not rules:
         lines.append("(none recorded)")
     lines += ["", "# Hypotheses standing for this project (not dismissed)"]
     for h in ctx.earlier:
@@ -88,6 +100,19 @@ def render(ctx: AnalysisContext) -> str:
     lines += ["", "# The session's event log, oldest first"]
     lines.extend(fit_log(ctx.events, MAX_LOG_CHARS))
     return "\n".join(lines)
+
+
+def _standing(rule: Event, retired_by: Event | None) -> str:
+    """What a rule's line says of where it stands: a correction, retracted, replaced."""
+    said = " — the person's correction of an earlier rule" if rule.payload.get("replaces") else ""
+    if retired_by is None:
+        return said
+    if retired_by.type is EventType.ARTIFACT_BUSINESS_RULE:
+        new = retired_by.payload.get("title", "")
+        return f"{said} — NO LONGER STANDS: the person replaced it with {new!r}"
+    reason = retired_by.payload.get("reason")
+    because = f" ({reason})" if reason else ""
+    return f"{said} — NO LONGER STANDS: the person retracted it{because}"
 
 
 def fit_log(events: Sequence[Event], budget_chars: int) -> list[str]:

@@ -5,8 +5,9 @@ waits here. While a batch is being written the next appends gather, and the next
 takes them all. With one producer a batch is one append, so nothing waits for a timer.
 
 A batch costs two round trips and holds no lock while Python decides: one statement reads
-its sessions, the events its idempotency keys already wrote and its causes; `decide`
-applies the log's rules to each append against them; one statement writes every event,
+its sessions, the events its idempotency keys already wrote, its causes and the rules it
+retires (each with whatever already retired it); `decide` applies the log's rules to
+each append against them; one statement writes every event,
 one outbox row each, moves the sessions' `last_seq` on and sends one NOTIFY. That write
 is a compare-and-set: it moves a session on only from the `last_seq` the read found, and
 when another writer moved one in between (a replica's batch, a close) it writes nothing
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from uuid import UUID
 
@@ -44,6 +45,7 @@ from domain.errors import DomainError
 from servicekit.faults import crash_point
 from servicekit.telemetry import inject_headers
 from session_events.repository import (
+    RETIRED_RULE_INDEX,
     BatchFacts,
     LogRepository,
     LogTransaction,
@@ -94,6 +96,7 @@ def decide(
     decided = Decided([], [], [])
     keyed = dict(facts.earlier)
     causes = facts.causes
+    rules = dict(facts.rules)  # retired by this batch too, as it goes
     for p in batch:
         session = facts.sessions.get(p.session_id)
         key = (p.session_id, p.idempotency_key) if p.idempotency_key is not None else None
@@ -114,10 +117,17 @@ def decide(
                 p.causation_id,
                 causes.get(p.causation_id) if p.causation_id else None,
             )
+            retires = log_rules.retired_rule(p.type, p.payload)
+            if retires is not None:
+                log_rules.check_retirement(
+                    p.type, p.actor, session.project_id, retires, rules.get(retires)
+                )
         except DomainError as refused:
             decided.outcomes.append(refused)
             continue
         event = new_event(session, p.type, p.actor, p.payload, p.causation_id)
+        if retires is not None:
+            rules[retires] = replace(rules[retires], retired_by=event.id)
         session.last_seq = event.seq
         if key is not None:
             keyed[key] = Written(event.id, event.seq)
@@ -129,6 +139,11 @@ def decide(
 
 class _StatementFailed(Exception):
     """A statement of the batch failed: the transaction rolled back, nothing committed."""
+
+
+class _RuleRetiredMeanwhile(Exception):
+    """Another session's write retired a rule this batch retires, after the batch read
+    it: nothing was written, and deciding again refuses the later one."""
 
 
 class GroupCommit:
@@ -222,7 +237,9 @@ class GroupCommit:
         try:
             async with self._repo.autocommit() as statements:
                 return await _decide_and_write(statements, batch)
-        except asyncpg.TransactionRollbackError:  # moved (or, rarely, a deadlock): undone
+        except (asyncpg.TransactionRollbackError, _RuleRetiredMeanwhile):
+            # moved (or, rarely, a deadlock), or a rule retired by another session's
+            # write: undone
             self.decided_again += 1
             async with self._repo.transaction() as tx:
                 await tx.lock_sessions(p.session_id for p in batch)
@@ -235,6 +252,7 @@ async def _decide_and_write(tx: LogTransaction, batch: list[Pending]) -> list[Ou
             (p.session_id for p in batch),
             ((p.session_id, p.idempotency_key) for p in batch if p.idempotency_key),
             (p.causation_id for p in batch if p.causation_id),
+            (r for p in batch if (r := log_rules.retired_rule(p.type, p.payload))),
         )
         decided = decide(batch, facts)
         if decided.written:
@@ -242,6 +260,10 @@ async def _decide_and_write(tx: LogTransaction, batch: list[Pending]) -> list[Ou
         crash_point("append.batch_written")
     except asyncpg.TransactionRollbackError:
         raise
+    except asyncpg.UniqueViolationError as exc:
+        if exc.constraint_name == RETIRED_RULE_INDEX:
+            raise _RuleRetiredMeanwhile from exc
+        raise _StatementFailed(repr(exc)) from exc
     except asyncpg.PostgresError as exc:
         raise _StatementFailed(repr(exc)) from exc
     return decided.outcomes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
 from uuid import UUID, uuid4
@@ -19,7 +19,7 @@ from contracts.session_events import (
     ListedSession,
     SessionView,
 )
-from domain.log_rules import CausationFacts, session_not_found
+from domain.log_rules import CausationFacts, RuleFacts, session_not_found
 from servicekit.db import Connection
 from servicekit.outbox import Outbox, Queued, Wake, with_outbox
 
@@ -62,6 +62,13 @@ class BatchFacts:
     sessions: dict[UUID, SessionState]
     earlier: dict[tuple[UUID, str], Written]  # by (session, idempotency key)
     causes: dict[UUID, CausationFacts]
+    # the business rules named by retractions and corrections, by id
+    rules: dict[UUID, RuleFacts] = field(default_factory=dict)
+
+
+# The index that lets a rule be retired once (migration 0003): a write that breaks it
+# lost a race with another session's retraction of the same rule.
+RETIRED_RULE_INDEX = "events_retired_rule_idx"
 
 
 @dataclass(frozen=True)
@@ -132,10 +139,12 @@ class LogTransaction:
         session_ids: Iterable[UUID],
         keys: Iterable[tuple[UUID, str]],
         causation_ids: Iterable[UUID],
+        rule_ids: Iterable[UUID] = (),
     ) -> BatchFacts:
         """The sessions among `session_ids` that exist, the events earlier appends wrote
-        with these (session, idempotency key) pairs, and the events named as causes that
-        exist: one statement, so one round trip and one snapshot for all three."""
+        with these (session, idempotency key) pairs, the events named as causes that
+        exist, and the events named as rules to retire, each with the event that already
+        retired it: one statement, so one round trip and one snapshot for all four."""
         pairs = list(keys)
         row = await self._conn.fetchrow(
             """SELECT now() AS now,
@@ -145,11 +154,22 @@ class LogTransaction:
                              WHERE (session_id, idempotency_key) IN
                                    (SELECT * FROM unnest($2::uuid[], $3::text[]))) AS earlier,
                       ARRAY(SELECT ROW(id, session_id, type, actor) FROM events
-                             WHERE id = ANY($4::uuid[])) AS causes""",
+                             WHERE id = ANY($4::uuid[])) AS causes,
+                      ARRAY(SELECT ROW(r.id, r.project_id, r.type,
+                                       (SELECT w.id FROM events w
+                                         WHERE (CASE w.type
+                                                WHEN 'artifact.business_rule_retracted'
+                                                THEN w.payload->>'rule_id'
+                                                ELSE w.payload->>'replaces' END) = r.id::text
+                                           AND (w.type = 'artifact.business_rule_retracted'
+                                                OR (w.type = 'artifact.business_rule'
+                                                    AND w.payload->>'replaces' IS NOT NULL))))
+                              FROM events r WHERE r.id = ANY($5::uuid[])) AS rules""",
             list(set(session_ids)),
             [s for s, _ in pairs],
             [k for _, k in pairs],
             list(set(causation_ids)),
+            list(set(rule_ids)),
         )
         assert row is not None
         now = row["now"]
@@ -160,6 +180,7 @@ class LogTransaction:
             },
             earlier={(r[0], r[1]): Written(r[2], r[3]) for r in row["earlier"]},
             causes={r[0]: CausationFacts(*r) for r in row["causes"]},
+            rules={r[0]: RuleFacts(*r) for r in row["rules"]},
         )
 
     async def append(
