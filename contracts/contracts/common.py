@@ -142,6 +142,8 @@ class ErrorCode(StrEnum):
     CAUSATION_NOT_FOUND = "causation_not_found"
     BRIEF_REQUIRES_READINESS = "brief_requires_readiness"
     ACTOR_NOT_ALLOWED = "actor_not_allowed"
+    # a fork's `at_seq` names no event of the parent's conversation
+    FORK_POINT_NOT_FOUND = "fork_point_not_found"
     # handoff (ADR 0182 keeps the Portuguese codes on the wire)
     AGENTE_JA_ATIVO = "agente_ja_ativo"
     HANDOFF_NOT_FOUND = "handoff_not_found"
