@@ -55,7 +55,9 @@ from benchkit import (
 )
 from contracts.metering import TextBlock, TokenUsage, TurnReply
 from domain.metering import RunBudget, reserve
-from metering.repository import MeteringRepository, StoredRun, UsageRecord
+from domain.metering_turn import UsageRecord
+from metering.budgets import StoredRun
+from metering.repository import MeteringRepository
 from servicekit.db import create_pool, migrate
 
 # Runs at once, turns of each one after another, and what each turn holds.

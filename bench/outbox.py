@@ -6,7 +6,7 @@ over each of those rows, asking whether a row of its key waits for a retry. Aske
 each row as "does an older row of its key wait", with the planner's choice of index,
 that read every older row of the key: n²/2 index reads per claim, 33 s for 20,000 rows
 on the machine of issue 12, while the relay delivered nothing else. The claim now reads
-the waiting keys once (`servicekit.outbox._CLAIMABLE`).
+the waiting keys once (`servicekit.outbox.CLAIM`).
 
 Per backlog size (rows of one key, held by a transaction standing in for the other
 relay, and 32 ready rows of 32 other sessions), the median time of a claim

@@ -47,21 +47,21 @@ from contracts.session_events import (
     SessionOpenedReply,
 )
 from harness import MeteringClient
-from metering.app import MeteringSettings
 from metering.app import main as metering_main
 from metering.providers.scripted import DEFAULT_SCRIPT, ScriptedProvider
+from metering.settings import MeteringSettings
 from psychologist.analysis import Analyst, emit_hypotheses_tool
-from psychologist.app import PsychologistSettings
 from psychologist.app import main as psychologist_main
 from psychologist.context import AnalysisContext, render
 from psychologist.repository import PsychologistRepository
+from psychologist.settings import PsychologistSettings
 from servicekit.client import call
 from servicekit.db import create_pool
 from servicekit.logs import configure_logging
 from servicekit.sessionlog import SessionLogClient
 from servicekit.testing import running_service
-from session_events.app import LogSettings
 from session_events.app import main as log_main
+from session_events.settings import LogSettings
 
 SIZES = (20, 1_000, 10_000)
 CONCURRENT_SESSIONS = 50

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from metering.app import MeteringSettings, main
+from metering.app import main
 from metering.providers.scripted import LoggingScripted, Script, ScriptStep
+from metering.settings import MeteringSettings
 from servicekit.runtime import run_service
 
 PROMPTS_ENV = "AGENTBUS_TEST_PROMPTS_PATH"

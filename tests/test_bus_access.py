@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from contracts import catalog
-from criativo.app import CriativoSettings, inputs_spec
+from criativo.app import inputs_spec
+from criativo.settings import CriativoSettings
 from handoff.app import CLOSINGS
-from psychologist.app import PsychologistSettings, closings_spec
+from psychologist.app import closings_spec
+from psychologist.settings import PsychologistSettings
 from servicekit.consumer import ConsumerSpec
 
 

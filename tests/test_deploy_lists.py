@@ -218,6 +218,8 @@ def test_the_overlays_and_compose_validate_and_a_wrong_field_is_caught() -> None
 
 def test_a_stale_or_extra_generated_file_is_found_and_rewritten(tmp_path: Path) -> None:
     shutil.copytree(BASE, tmp_path / "deploy" / "k8s" / "base")
+    shutil.copytree(K8S / "monitoring", tmp_path / "deploy" / "k8s" / "monitoring")
+    shutil.copytree(ROOT / "deploy" / "monitoring", tmp_path / "deploy" / "monitoring")
     compose = (ROOT / "docker-compose.yml").read_text()
     (tmp_path / "docker-compose.yml").write_text(compose.replace("NATS_USER: handoff", "X: y"))
     gone = tmp_path / "deploy" / "k8s" / "base" / "services" / "gone.yaml"

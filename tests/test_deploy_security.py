@@ -95,7 +95,8 @@ def test_the_k8s_nats_config_needs_and_takes_the_passwords(tmp_path: Path) -> No
     accepted = server_accepts(tmp_path, {**env, **passwords()})
     assert accepted.returncode == 0, accepted.stderr
     [server] = [d for d in k8s_documents("nats.yaml") if d["kind"] == "StatefulSet"]
-    [container] = server["spec"]["template"]["spec"]["containers"]
+    containers = server["spec"]["template"]["spec"]["containers"]
+    [container] = [c for c in containers if c["name"] == "nats"]
     assert {"secretRef": {"name": "agentbus-nats"}} in container["envFrom"]
 
 

@@ -1,8 +1,9 @@
 """deploy/monitoring, offline: the Prometheus alert rules and the Grafana dashboard parse,
 have the shape their tools load, every PromQL expression is valid (promql-parser), and
 every series they name is one the services export (servicekit.metrics, metering's LLM
-series, Criativo's actors, the gateway's WebSocket and HTTP series) — so a renamed metric
-cannot leave a silent alert behind."""
+series, Criativo's actors, the gateway's WebSocket and HTTP series), one the rules
+record, or Prometheus' own `up` — so a renamed metric cannot leave a silent alert
+behind. Every alert names its runbook, docs/runbooks/<alert>.md, and the runbook exists."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ from prometheus_client import REGISTRY
 
 import criativo.actors
 import gateway.metrics
-import metering.turns
+import metering.metrics
 import servicekit.metrics
 
-MONITORING = Path(__file__).resolve().parent.parent / "deploy" / "monitoring"
-SERIES = re.compile(r"\bagentbus_[a-z0-9_]+")
+ROOT = Path(__file__).resolve().parent.parent
+MONITORING = ROOT / "deploy" / "monitoring"
+# The services' series, the recorded ones (`agentbus:…`) and the one Prometheus writes for
+# every target it scrapes.
+SERIES = re.compile(r"\bagentbus_[a-z0-9_]+|\bagentbus:[a-z0-9_:]+|\bup\b")
+PROMETHEUS_SERIES = {"up"}
 SUFFIXES = {
     "counter": ("_total",),
     "histogram": ("_bucket", "_count", "_sum"),
@@ -35,13 +40,20 @@ REQUIRED_ALERTS = {
     "AgentbusProviderErrorRate",
     "AgentbusBudgetExhaustion",
     "AgentbusSlowClientClosesRising",
+    "AgentbusTargetDown",
+    "AgentbusTargetAbsent",
+    "AgentbusCommandErrorBudgetBurn",
+    "AgentbusCommandErrorBudgetSlowBurn",
+    "AgentbusCommandLatencyBudgetBurn",
+    "AgentbusCommandLatencyBudgetSlowBurn",
+    "AgentbusProjectBudget80",
 }
 
 
 def exported() -> set[str]:
     """Every series name the services' code registers (labelled or not)."""
     assert (
-        servicekit.metrics and metering.turns and criativo.actors and gateway.metrics
+        servicekit.metrics and metering.metrics and criativo.actors and gateway.metrics
     )  # registered
     names: set[str] = set()
     for family in REGISTRY.collect():
@@ -57,12 +69,21 @@ def check_expression(expr: str, known: set[str]) -> None:
     assert named <= known, f"unknown series {sorted(named - known)} in: {expr}"
 
 
+def rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load((MONITORING / "alerts.yaml").read_text())["groups"]
+    assert all(isinstance(g["name"], str) for g in groups)
+    return [r for g in groups for r in g["rules"]]
+
+
 def test_the_alert_rules_load_and_name_exported_series() -> None:
-    rules = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
-    known = exported()
-    alerts: list[dict[str, Any]] = [r for g in rules["groups"] for r in g["rules"]]
-    assert all(isinstance(g["name"], str) for g in rules["groups"])
+    recorded = [r for r in rules() if "record" in r]
+    alerts = [r for r in rules() if "alert" in r]
+    known = exported() | {r["record"] for r in recorded} | PROMETHEUS_SERIES
+    assert len(recorded) + len(alerts) == len(rules())
     assert {a["alert"] for a in alerts} >= REQUIRED_ALERTS
+    for rule in recorded:
+        assert set(rule) <= {"record", "expr", "labels"}
+        check_expression(rule["expr"], exported())
     for alert in alerts:
         assert set(alert) <= {"alert", "expr", "for", "labels", "annotations", "keep_firing_for"}
         assert alert["labels"]["severity"] in {"warning", "critical"}
@@ -70,6 +91,17 @@ def test_the_alert_rules_load_and_name_exported_series() -> None:
         if "for" in alert:
             promql_parser.parse_duration(alert["for"])
         check_expression(alert["expr"], known)
+
+
+def test_every_alert_has_its_runbook() -> None:
+    for alert in [r for r in rules() if "alert" in r]:
+        runbook = f"docs/runbooks/{alert['alert']}.md"
+        assert alert["annotations"].get("runbook_url") == runbook, alert["alert"]
+        text = (ROOT / runbook).read_text()
+        # what it means, how to look, what to do
+        assert text.startswith(f"# {alert['alert']}\n"), runbook
+        for heading in ("## What it means", "## How to look", "## What to do"):
+            assert f"\n{heading}\n" in text, (runbook, heading)
 
 
 def test_the_dashboard_loads_and_names_exported_series() -> None:

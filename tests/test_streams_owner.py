@@ -28,8 +28,8 @@ from servicekit.bus import check_streams
 from servicekit.client import call
 from servicekit.runtime import EXIT_NOT_PROVISIONED
 from servicekit.testing import Servers, identity_env, running_service, wait_for, without_credentials
-from session_events.app import LogSettings
 from session_events.app import main as log_main
+from session_events.settings import LogSettings
 
 
 async def agentbus(servers: Servers, user: str, *args: str, database_url: str = "") -> str:

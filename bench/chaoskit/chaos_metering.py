@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from metering.app import MeteringSettings, main
+from metering.app import main
 from metering.providers.scripted import (
     BRIEF_STEP,
     PSYCHOLOGIST_STEPS,
@@ -22,6 +22,7 @@ from metering.providers.scripted import (
     Script,
     ScriptStep,
 )
+from metering.settings import MeteringSettings
 from servicekit.runtime import run_service
 
 CALLS_ENV = "AGENTBUS_CHAOS_CALLS_PATH"

@@ -28,18 +28,13 @@ from faststream.specification import AsyncAPI
 from pydantic import create_model
 
 from contracts import streams, subjects
-from contracts.catalog import COMMANDS, Command
+from contracts.catalog import COMMANDS, PROJECT, PUBLICATIONS, SESSION, Command, Publication
 from contracts.common import ErrorReply, Message
-from contracts.criativo import AgentDone
 from contracts.events import PAYLOADS, Event, EventType
-from contracts.metering import TurnDelta
 
 DOCUMENT_PATH = Path(__file__).resolve().parent.parent / "asyncapi.json"
 REGENERATE = ".venv/bin/python -m contracts.asyncapi --write"
 
-# Subject tokens as the document shows them: `{project_id}` reads better than `*`.
-PROJECT = "{project_id}"
-SESSION = "{session_id}"
 SERVER_URL = "nats://127.0.0.1:4222"
 SERVER_DESCRIPTION = (
     "The server `NATS_URL` names; with it unset, agentbus embeds its own on a free port."
@@ -47,36 +42,13 @@ SERVER_DESCRIPTION = (
 # A command's reply goes to the inbox the requester chose; there is no fixed subject.
 REPLY_INBOX = "{reply_to}"
 
-
-# Streaming subjects outside the log, with their payload model where contracts has one
-# (`agent.done`'s model is `contracts.criativo.AgentDone`).
-STREAMING: list[tuple[str, str, str, type[Message] | None]] = [
-    (
-        "agent.delta",
-        subjects.delta_subject(PROJECT, SESSION),
-        "A streaming turn's text, token by token, as `cmd.llm.stream` publishes it.",
-        TurnDelta,
-    ),
-    (
-        "agent.done",
-        subjects.done_subject(PROJECT, SESSION),
-        "An agent's turn ended: its response event, or the error code of its agent.error.",
-        AgentDone,
-    ),
-    (
-        "metering.alive",
-        subjects.alive_subject("{key}"),
-        "A beat while metering handles a `cmd.llm.stream` that named this subject; its body is "
-        "the turn's id (a caller's streams may share the subject).",
-        None,
-    ),
-]
-
 DESCRIPTION = (
     "The agentbus bus. Commands are request/reply on core NATS (`cmd.<service>.<verb>`, "
     "one queue group per service); each is answered with its reply model or with "
     "`ErrorReply`. Events committed to the session log are published on JetStream at "
     "`<domain>.<name>.<project_id>.<session_id>`, with `Nats-Msg-Id` set to the event id. "
+    "The other subjects (streaming turns, metering's notices, dead letters) each say "
+    "whether a stream keeps them. "
     "Generated from the `contracts` package by `python -m contracts.asyncapi`; do not edit."
 )
 
@@ -118,6 +90,11 @@ def _event_model(event_type: EventType) -> type[Event]:
     return model
 
 
+def _kept(publication: Publication) -> str:
+    stream = publication.stream
+    return f"In stream `{stream.name}`." if stream else "Core NATS only: not kept."
+
+
 def _reply_channel(command: Command[Any, Any]) -> str:
     return f"{command.subject}:Reply"
 
@@ -155,12 +132,12 @@ def build_broker() -> NatsBroker:
             ),
             schema=_event_model(event_type),
         )
-    for title, subject, description, model in STREAMING:
+    for publication in PUBLICATIONS:
         broker.publisher(
-            subject,
-            title=title,
-            description=f"{description} In stream `{streams.DELTAS.name}`.",
-            schema=model,
+            publication.address,
+            title=publication.title,
+            description=f"{publication.description} {_kept(publication)}",
+            schema=publication.body,
         )
     return broker
 

@@ -1,7 +1,10 @@
-"""Every command of the bus, declared once: its subject, who serves it and its models.
+"""Every command of the bus, declared once: its subject, who serves it and its models;
+every subject published besides the commands and the log's events (`PUBLICATIONS`); and
+what each service does on the bus (`ACCESS`).
 
-AsyncAPI, the fuzz test of every `cmd.*` subject and the NATS permissions are read
-off this list; a command that is not here does not exist.
+AsyncAPI, the reference page, the fuzz test of every `cmd.*` subject and the NATS
+permissions are read off these lists; a command or publication that is not here does
+not exist.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any, Generic, TypeVar
 
 from contracts import streams, subjects
 from contracts.common import Message
+from contracts.criativo import AgentDone
 from contracts.events import SESSION_CLOSINGS, EventType
 from contracts.handoff import (
     AcceptReply,
@@ -42,6 +46,7 @@ from contracts.metering import (
     ResolvedBinding,
     SetBinding,
     SetLimits,
+    TurnDelta,
     TurnReply,
     UsageSummaryReply,
     UsageSummaryRequest,
@@ -180,6 +185,89 @@ COMMANDS: list[Command[Any, Any]] = [
 ]
 
 
+# --- What is published besides commands and events -----------------------------------
+# Deltas, turn ends, notices and dead letters: declared once here, so the AsyncAPI
+# document and the reference describe each, and a service's permission to publish one
+# (`ACCESS` below) names the declaration rather than a subject of its own.
+
+# Tokens an address shows where its publisher fills in a value.
+PROJECT = "{project_id}"
+SESSION = "{session_id}"
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A subject published outside request/reply and beside the log's events."""
+
+    # Its name in the AsyncAPI document and the reference.
+    title: str
+    # The subject, a `{token}` where each message names its own value.
+    address: str
+    description: str
+    # The model of its JSON body; None when the body is not one (said in `description`).
+    body: type[Message] | None
+    # The stream that keeps it; None: core NATS only, heard by whoever listens then.
+    stream: streams.StreamSpec | None
+
+    @property
+    def filter(self) -> str:
+        """The address as a subject filter, each `{token}` a `*`: what a publisher is
+        allowed and a listener subscribes to."""
+        tokens = self.address.split(".")
+        return ".".join("*" if token.startswith("{") else token for token in tokens)
+
+
+TURN_DELTA = Publication(
+    "agent.delta",
+    subjects.delta_subject(PROJECT, SESSION),
+    "A streaming turn's text, token by token, as `cmd.llm.stream` publishes it.",
+    TurnDelta,
+    streams.DELTAS,
+)
+TURN_DONE = Publication(
+    "agent.done",
+    subjects.done_subject(PROJECT, SESSION),
+    "An agent's turn ended: its response event, or the error code of its agent.error.",
+    AgentDone,
+    streams.DELTAS,
+)
+STREAM_BEAT = Publication(
+    "metering.alive",
+    subjects.alive_subject("{key}"),
+    "A beat while metering handles a `cmd.llm.stream` that named this subject; its body is "
+    "the turn's id (a caller's streams may share the subject).",
+    None,
+    None,
+)
+BINDINGS_CHANGED = Publication(
+    "metering.bindings_changed",
+    subjects.BINDINGS_CHANGED,
+    "A binding was set or removed: every metering replica reloads its binding cache. "
+    "The body is empty.",
+    None,
+    None,
+)
+TURN_CANCELLED = Publication(
+    "metering.turn_cancelled",
+    subjects.TURN_CANCELLED,
+    "A cancel one metering replica received (`cmd.llm.cancel`), told to every replica: the "
+    "one running the turn stops its provider stream.",
+    CancelTurn,
+    None,
+)
+DEAD_LETTER = Publication(
+    "deadletter",
+    subjects.dead_letter_subject("{consumer}"),
+    "A message the durable consumer `{consumer}` gave up on (out of deliveries, or never "
+    "parseable), its body as it was delivered; the headers `Agentbus-Dead-Letter-Reason` "
+    "and `Agentbus-Original-Subject` say why and where it came from (the kit's consumer, "
+    "`servicekit.consumer`, sends it).",
+    None,
+    streams.DEAD_LETTERS,
+)
+PUBLICATIONS = [TURN_DELTA, TURN_DONE, STREAM_BEAT, BINDINGS_CHANGED, TURN_CANCELLED, DEAD_LETTER]
+
+
 # --- Who may use the bus (docs/architecture.md) --------------------------------------
 # Every service's traffic besides the commands it serves (those are read off COMMANDS
 # above), declared once; `servicekit.permissions` derives each NATS user from it. A
@@ -228,7 +316,7 @@ OPERATOR_COMMANDS = (
 )
 
 EVERY_EVENT = tuple(subjects.event_filter(t) for t in EventType)
-EVERY_DELTA = (subjects.delta_subject("*", "*"), subjects.done_subject("*", "*"))
+EVERY_DELTA = (TURN_DELTA.filter, TURN_DONE.filter)
 # Events, deltas and turn ends are all `<a>.<b>.<project>.<session>`: a session's whole
 # feed is one subscription `*.*.<p>.<s>` (the gateway's). No command, inbox, ack or
 # notice subject has four tokens.
@@ -253,7 +341,7 @@ ACCESS = [
         "handoff",
         calls=(
             subjects.EVENTS_APPEND,
-            subjects.EVENTS_APPEND_MANY,  # its outbox relay (servicekit.outbox.LogAppender)
+            subjects.EVENTS_APPEND_MANY,  # its outbox relay (servicekit.outbox.CommandSender)
             subjects.EVENTS_GET,
             subjects.SESSIONS_GET,
         ),
@@ -263,12 +351,12 @@ ACCESS = [
         "metering",
         # Deltas and beats go where the caller names, within their subjects only.
         publishes=(
-            subjects.delta_subject("*", "*"),
-            subjects.alive_subject("*"),
-            subjects.BINDINGS_CHANGED,
-            subjects.TURN_CANCELLED,
+            TURN_DELTA.filter,
+            STREAM_BEAT.filter,
+            BINDINGS_CHANGED.filter,
+            TURN_CANCELLED.filter,
         ),
-        subscribes=(subjects.BINDINGS_CHANGED, subjects.TURN_CANCELLED),
+        subscribes=(BINDINGS_CHANGED.filter, TURN_CANCELLED.filter),
     ),
     Access(
         "psychologist",
@@ -298,9 +386,9 @@ ACCESS = [
             subjects.LLM_TURN,
             subjects.LLM_STREAM,
         ),
-        publishes=(subjects.done_subject("*", "*"),),
+        publishes=(TURN_DONE.filter,),
         # The beats of the streams it waits on: their liveness (harness.client).
-        subscribes=(subjects.alive_subject("*"),),
+        subscribes=(STREAM_BEAT.filter,),
         durables=(CRIATIVO_INPUTS,),
         buckets=(CRIATIVO_LEASES,),
     ),
@@ -346,6 +434,14 @@ def access_of(service: str) -> Access:
         if access.service == service:
             return access
     raise KeyError(f"no access declared for service {service!r}")
+
+
+def publishers_of(publication: Publication) -> list[str]:
+    """The services that publish `publication`: those whose access names it, and for dead
+    letters every owner of a durable (its consumer's grant, `servicekit.permissions`)."""
+    if publication is DEAD_LETTER:
+        return [access.service for access in ACCESS if access.durables]
+    return [access.service for access in ACCESS if publication.filter in access.publishes]
 
 
 def served_by(service: str) -> list[str]:

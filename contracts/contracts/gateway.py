@@ -20,75 +20,73 @@ from contracts.metering import TurnId
 Ref = Annotated[str, StringConstraints(min_length=1, max_length=100), TEXT_CHECK] | None
 
 
-class Join(Message):
+class ClientRequest(Message):
+    """What every client frame may carry besides its own fields: the `ref` that the `ack`
+    or `error` answering it echoes."""
+
+    ref: Ref = None
+
+
+class Join(ClientRequest):
     """Follow a session: its events after `after_seq` from the log, then live."""
 
     type: Literal["join"]
     session_id: UUID
     after_seq: Int64 = Field(default=0, ge=0)
-    ref: Ref = None
 
 
-class Chat(Message):
+class Chat(ClientRequest):
     """Say something in the joined session (`client_msg_id` makes a resend harmless)."""
 
     type: Literal["chat"]
     text: Utterance
     client_msg_id: Annotated[str, StringConstraints(min_length=1, max_length=100), TEXT_CHECK]
-    ref: Ref = None
 
 
-class StartAgent(Message):
+class StartAgent(ClientRequest):
     """Start an agent the person may start (Criativo, ADR 0008 decision 4)."""
 
     type: Literal["start_agent"]
     agent: AgentSlug
-    ref: Ref = None
 
 
-class ConfirmReadiness(Message):
+class ConfirmReadiness(ClientRequest):
     """The person clicked "I'm ready to produce"."""
 
     type: Literal["confirm_readiness"]
-    ref: Ref = None
 
 
-class AcceptHandoff(Message):
+class AcceptHandoff(ClientRequest):
     """Accept an offered handoff of the joined session."""
 
     type: Literal["accept_handoff"]
     handoff_id: UUID
-    ref: Ref = None
 
 
-class RejectHandoff(Message):
+class RejectHandoff(ClientRequest):
     """Reject an offered handoff of the joined session."""
 
     type: Literal["reject_handoff"]
     handoff_id: UUID
-    ref: Ref = None
 
 
-class CloseSessionFrame(Message):
+class CloseSessionFrame(ClientRequest):
     """End the joined session normally."""
 
     type: Literal["close_session"]
-    ref: Ref = None
 
 
-class StopTurn(Message):
+class StopTurn(ClientRequest):
     """The person pressed Stop while an answer of the joined session streams."""
 
     type: Literal["stop_turn"]
     turn_id: TurnId
-    ref: Ref = None
 
 
-class Heartbeat(Message):
+class Heartbeat(ClientRequest):
     """The client is still there (the gateway also beats on its own while connected)."""
 
     type: Literal["heartbeat"]
-    ref: Ref = None
 
 
 ClientFrame = Annotated[

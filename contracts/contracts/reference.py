@@ -19,18 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from contracts import catalog, streams, subjects
-from contracts.catalog import COMMANDS, Command
+from contracts.catalog import COMMANDS, PROJECT, PUBLICATIONS, SESSION, Command, Publication
 from contracts.common import ErrorCode, ErrorReply, Message
-from contracts.criativo import AgentDone
 from contracts.events import PAYLOADS, Event, EventType
-from contracts.metering import TurnDelta
 
 DOCUMENT_PATH = Path(__file__).resolve().parent.parent.parent / "docs" / "reference.md"
 REGENERATE = ".venv/bin/python -m contracts.reference --write"
-
-# Subject tokens as the page shows them.
-PROJECT = "{project_id}"
-SESSION = "{session_id}"
 
 # Who calls a command besides the services `catalog.ACCESS` names.
 OPERATORS = "operators (`ops`)"
@@ -197,6 +191,27 @@ def _event(models: _Models, event_type: EventType) -> list[str]:
     ]
 
 
+def _publication(models: _Models, publication: Publication) -> list[str]:
+    stream = publication.stream
+    kept = f"stream `{stream.name}`" if stream else "core NATS only (not kept)"
+    publishers = ", ".join(f"`{service}`" for service in catalog.publishers_of(publication))
+    lead = (
+        f"Subject `{publication.address}`, {kept}, published by {publishers}. "
+        f"{publication.description}"
+    )
+    if publication.body is None:
+        return [f"### `{publication.title}`", "", lead, ""]
+    body = publication.body
+    return [
+        f"### `{publication.title}`",
+        "",
+        f"{lead} Body `{body.__name__}`: {_doc(body)}",
+        "",
+        *_fields(models.schema(body)),
+        "",
+    ]
+
+
 def _seconds(seconds: float) -> str:
     if not seconds:
         return "forever"
@@ -285,31 +300,17 @@ def build_document() -> str:
     for event_type in EventType:
         lines += _event(models, event_type)
     lines += [
-        "## Streaming turns",
+        "## Other subjects",
         "",
-        f"Not events of the log: kept a few minutes in `{streams.DELTAS.name}`, so a client "
-        "that reconnects catches up with the turn in flight.",
-        "",
-        *_model_block(
-            models,
-            "###",
-            TurnDelta,
-            f"Subject `{subjects.delta_subject(PROJECT, SESSION)}`, published by metering "
-            "while it streams a turn (`cmd.llm.stream`).",
-        ),
-        *_model_block(
-            models,
-            "###",
-            AgentDone,
-            f"Subject `{subjects.done_subject(PROJECT, SESSION)}`, published by the agent "
-            "whose turn ended.",
-        ),
-        "## Streams and buckets",
-        "",
-        *_streams(),
+        "Not events of the log: a streaming turn's deltas and end, kept a few minutes in "
+        f"`{streams.DELTAS.name}` so a client that reconnects catches up with the turn in "
+        "flight; metering's notices to its replicas and its callers, on core NATS only; "
+        "the dead letters of the durable consumers.",
         "",
     ]
-    models.shown |= {TurnDelta.__name__, AgentDone.__name__}
+    for publication in PUBLICATIONS:
+        lines += _publication(models, publication)
+    lines += ["## Streams and buckets", "", *_streams(), ""]
     lines += ["## Models", "", "The models the tables above link to.", ""]
     for name in sorted(set(models.schemas) - models.shown):
         schema = models.schemas[name]

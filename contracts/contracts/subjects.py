@@ -91,5 +91,12 @@ def alive_subject(key: str) -> str:
 
 # Where exhausted or terminated deliveries are announced (see servicekit.consumer).
 DEAD_LETTER_PREFIX = "deadletter"
+
+
+def dead_letter_subject(consumer: str) -> str:
+    """Where the durable consumer `consumer` announces a message it gave up on."""
+    return f"{DEAD_LETTER_PREFIX}.{consumer}"
+
+
 MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>"
 MSG_TERMINATED_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.>"

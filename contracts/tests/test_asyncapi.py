@@ -1,4 +1,6 @@
-"""The checked-in AsyncAPI document is the one `contracts` generates, and it is not empty."""
+"""The checked-in AsyncAPI document is the one `contracts` generates, and it describes
+every subject of the bus: each command, each event, and everything else a service
+publishes."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from typing import Any
 import pytest
 
 from contracts import subjects
-from contracts.asyncapi import DOCUMENT_PATH, PROJECT, REGENERATE, SESSION, build_document
-from contracts.catalog import COMMANDS
+from contracts.asyncapi import DOCUMENT_PATH, REGENERATE, build_document
+from contracts.catalog import ACCESS, COMMANDS, PROJECT, SESSION
 from contracts.common import ErrorReply, Message
 from contracts.events import PAYLOADS, EventType
 
@@ -18,6 +20,17 @@ COMMAND_SUBJECTS = sorted(
     value
     for value in vars(subjects).values()
     if isinstance(value, str) and value.startswith("cmd.")
+)
+
+
+# Every subject a service publishes outside request/reply: what its NATS user may publish
+# (`catalog.ACCESS`; the secured server refuses the rest, so the whole suite keeps it
+# honest), and the dead letters the kit's consumer sends for each durable.
+PUBLISHED = sorted(
+    {
+        *(subject for access in ACCESS for subject in access.publishes),
+        *(subjects.dead_letter_subject(d.name) for access in ACCESS for d in access.durables),
+    }
 )
 
 
@@ -67,3 +80,20 @@ def test_every_model_is_in_the_schemas(document: dict[str, Any]) -> None:
 def test_streaming_subjects_are_documented(document: dict[str, Any]) -> None:
     assert subjects.delta_subject(PROJECT, SESSION) in addresses(document)
     assert subjects.done_subject(PROJECT, SESSION) in addresses(document)
+
+
+def covers(address: str, subject: str) -> bool:
+    """Whether a channel `address` (`{token}` for a value its messages name) takes in
+    `subject`, a subject or a filter of single-token wildcards."""
+    wanted, offered = subject.split("."), address.split(".")
+    return len(wanted) == len(offered) and all(
+        token.startswith("{") or token == part for token, part in zip(offered, wanted, strict=True)
+    )
+
+
+@pytest.mark.parametrize("subject", PUBLISHED)
+def test_every_published_subject_is_documented(document: dict[str, Any], subject: str) -> None:
+    assert any(covers(address, subject) for address in addresses(document)), (
+        f"{subject} is published but not in the AsyncAPI document: declare it in "
+        "contracts.catalog (PUBLICATIONS) and regenerate"
+    )

@@ -9,8 +9,10 @@
 - **Kubernetes kinds** against the API's schemas (kubernetes-validate, strict: an
   unknown field is an error).
 - **Custom resources** against their CRDs' schemas, vendored in deploy/schemas/ and
-  made strict the same way: CloudNativePG 1.30.0 (cnpg-1.30.0.json) and its Barman
-  Cloud plugin 0.14.0 (barman-cloud-0.14.0.json, the `ObjectStore`).
+  made strict the same way: CloudNativePG 1.30.0 (cnpg-1.30.0.json), its Barman
+  Cloud plugin 0.14.0 (barman-cloud-0.14.0.json, the `ObjectStore`) and the Prometheus
+  Operator 0.93.0 (prometheus-operator-0.93.0.json: `ServiceMonitor`, `PodMonitor`,
+  `PrometheusRule`).
 - **docker-compose.yml** against the compose specification (deploy/schemas/compose-spec.json).
 
 Lint and test tooling only: it needs the dev dependencies (jsonpatch,
@@ -40,7 +42,11 @@ OVERLAYS = Path("deploy/k8s/overlays")
 KNOWN_FIELDS = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
 CLUSTER_SCOPED = {"Namespace"}
 # One file per operator release, each `{"apiVersion", "kinds": {kind: openAPIV3Schema}}`.
-CRD_SCHEMAS = ("cnpg-1.30.0.json", "barman-cloud-0.14.0.json")
+CRD_SCHEMAS = (
+    "cnpg-1.30.0.json",
+    "barman-cloud-0.14.0.json",
+    "prometheus-operator-0.93.0.json",
+)
 
 
 class KustomizeError(ValueError):
@@ -118,6 +124,11 @@ def _strict(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     strict = {k: _strict(v) for k, v in schema.items()}
+    pattern = strict.get("pattern")
+    if isinstance(pattern, str) and pattern.startswith("^(?i)"):
+        # Go's regexp takes a flag group anywhere; Python's only at the start
+        # (the Prometheus Operator's `partial_response_strategy`).
+        strict["pattern"] = "(?i)^" + pattern[len("^(?i)") :]
     if (
         "properties" in strict
         and "additionalProperties" not in strict

@@ -3,9 +3,12 @@
 Every list of services outside the services themselves — a Deployment,
 PodDisruptionBudget and Service per service in deploy/k8s/base/services/, a migration
 Job and a Postgres role per service that keeps a schema, the provisioning Job (each Job
-named by a hash of what it runs), the tracing ConfigMap, the kustomization's resources,
-docker-compose's service entries and NATS passwords, the root pyproject's mypy path and
-import layers — is written by `agentbus deploy-config --write` from:
+named by a hash of what it runs), the tracing ConfigMap, the kustomization's
+resources, the monitoring objects of deploy/k8s/monitoring/ (a ServiceMonitor per
+service, the PodMonitors of NATS and Postgres, the PrometheusRule and the Grafana
+dashboard's ConfigMap, both derived from deploy/monitoring/), docker-compose's service
+entries and NATS passwords, the root pyproject's mypy path and import layers — is
+written by `agentbus deploy-config --write` from:
 
 - the installed services (`agentbus.services` entry points, devstack.services), each
   with its `svc` declaration (schema, migrations);
@@ -369,6 +372,11 @@ def deployment(s: Deployed) -> dict[str, Any]:
     }
 
 
+def _selector(s: Deployed) -> dict[str, Any]:
+    """What selects the service's pods, or its Service (the same name label)."""
+    return {"matchLabels": {"app.kubernetes.io/name": s.dns}}
+
+
 def disruption_budget(s: Deployed) -> dict[str, Any]:
     # maxUnavailable rather than minAvailable: a drain never takes two replicas at once,
     # and an overlay that runs one replica can still be drained.
@@ -378,7 +386,7 @@ def disruption_budget(s: Deployed) -> dict[str, Any]:
         "metadata": _meta(s.dns, "service"),
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": {"app.kubernetes.io/name": s.dns}},
+            "selector": _selector(s),
         },
     }
 
@@ -736,6 +744,131 @@ def _dump(docs: list[dict[str, Any]], header: str = "") -> str:
     return GENERATED + header + body
 
 
+# ---------------------------------------------------------------- monitoring
+
+# The Prometheus Operator's objects (kube-prometheus-stack), apart from the base so a
+# cluster without its CRDs can leave them out of its overlay (deploy/k8s/README.md).
+MONITORING = K8S / "monitoring"
+# The one source of the rules and the dashboard; rule_files and Grafana's import read
+# them as they are, the PrometheusRule and the dashboard's ConfigMap are derived here.
+ALERTS = Path("deploy/monitoring/alerts.yaml")
+DASHBOARD = Path("deploy/monitoring/agentbus-dashboard.json")
+SCRAPE_INTERVAL = "30s"
+# Prometheus keeps this pod label on every series it scrapes from agentbus' own pods
+# (`app_kubernetes_io_part_of="agentbus"`): what the target-down alerts select on.
+TARGET_LABELS = list(PART_OF)
+# The NATS servers' exporter sidecar (nats.yaml) and CloudNativePG's: their metrics ports.
+NATS_EXPORTER_PORT = "prom-metrics"
+CNPG_METRICS_PORT = "metrics"
+
+
+def service_monitor(s: Deployed) -> dict[str, Any]:
+    """Prometheus scrapes every replica of `s` through its Service's metrics port."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(s.dns, "service"),
+        "spec": {
+            "selector": _selector(s),
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": SCRAPE_INTERVAL}],
+            "podTargetLabels": TARGET_LABELS,
+        },
+    }
+
+
+def _pod_monitor(name: str, selector: dict[str, str], port: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta(name, "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "podMetricsEndpoints": [{"port": port, "interval": SCRAPE_INTERVAL}],
+            "podTargetLabels": TARGET_LABELS,
+        },
+    }
+
+
+def pod_monitors() -> list[dict[str, Any]]:
+    """NATS (its exporter sidecar), the Postgres instances and the pooler.
+
+    CloudNativePG's own `spec.monitoring.enablePodMonitor` is deprecated (1.30's CRD:
+    "create a PodMonitor manually"), so the cluster's and the pooler's are written here,
+    selecting the labels the operator gives their pods.
+    """
+    return [
+        _pod_monitor("nats", {"app.kubernetes.io/name": "nats"}, NATS_EXPORTER_PORT),
+        _pod_monitor(PG_CLUSTER, {"cnpg.io/cluster": PG_CLUSTER}, CNPG_METRICS_PORT),
+        _pod_monitor(PG_POOLER, {"cnpg.io/poolerName": PG_POOLER}, CNPG_METRICS_PORT),
+    ]
+
+
+def prometheus_rule(alerts: dict[str, Any]) -> dict[str, Any]:
+    """deploy/monitoring/alerts.yaml as the Prometheus Operator loads it."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": _meta("agentbus", "monitoring"),
+        "spec": {"groups": alerts["groups"]},
+    }
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings as literal blocks: the dashboard's JSON stays readable."""
+
+
+def _block_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_BlockDumper.add_representer(str, _block_str)
+
+
+def dashboard_config(dashboard: str) -> dict[str, Any]:
+    """The Grafana dashboard, for the Grafana sidecar that loads labelled ConfigMaps."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta("agentbus-dashboard", "monitoring", grafana_dashboard="1"),
+        "data": {DASHBOARD.name: dashboard},
+    }
+
+
+def monitoring_files(root: Path, services: list[Deployed]) -> dict[Path, str]:
+    """deploy/k8s/monitoring/: what Prometheus scrapes, its rules, Grafana's dashboard."""
+    alerts = yaml.safe_load((root / ALERTS).read_text())
+    dashboard = dashboard_config((root / DASHBOARD).read_text())
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": NAMESPACE,
+        "resources": ["monitors.yaml", "prometheus-rule.yaml", "dashboard.yaml"],
+    }
+    monitors = [*(service_monitor(s) for s in services), *pod_monitors()]
+    return {
+        MONITORING / "kustomization.yaml": _dump([kustomization]),
+        MONITORING / "monitors.yaml": _dump(monitors),
+        MONITORING / "prometheus-rule.yaml": _dump_blocks(prometheus_rule(alerts), RULE_HEADER),
+        MONITORING / "dashboard.yaml": _dump_blocks(dashboard, DASHBOARD_HEADER),
+    }
+
+
+def _dump_blocks(doc: dict[str, Any], header: str) -> str:
+    body = yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False, width=100, allow_unicode=True)
+    return GENERATED + header + body
+
+
+RULE_HEADER = """\
+# deploy/monitoring/alerts.yaml (the rules' one source: edit it, then
+# `make deploy-config`) as a PrometheusRule.
+"""
+DASHBOARD_HEADER = """\
+# deploy/monitoring/agentbus-dashboard.json (edit it, then `make deploy-config`) for
+# Grafana's dashboard sidecar, which loads every ConfigMap labelled grafana_dashboard: "1".
+"""
+
+
 def k8s_files(services: list[Deployed]) -> dict[Path, str]:
     """Every generated file under deploy/k8s, by path relative to the repository."""
     files = {
@@ -962,6 +1095,7 @@ def generated_files(root: Path, services: list[Deployed] | None = None) -> dict[
     """Every generated file, by path relative to the repository root."""
     services = deployed_services() if services is None else services
     files = k8s_files(services)
+    files.update(monitoring_files(root, services))
     files[COMPOSE] = compose_file((root / COMPOSE).read_text(), services)
     files[PYPROJECT] = pyproject_file((root / PYPROJECT).read_text(), services)
     return files

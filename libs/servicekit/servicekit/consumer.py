@@ -398,7 +398,7 @@ class DurableConsumer:
         DEAD_LETTERS.labels(self.spec.durable, ".".join(subject.split(".")[:2])).inc()
         with contextlib.suppress(Exception):  # the table is the record; the subject a signal
             await self._js.publish(
-                f"{subjects.DEAD_LETTER_PREFIX}.{self.spec.durable}",
+                subjects.dead_letter_subject(self.spec.durable),
                 body,
                 headers={
                     "Nats-Msg-Id": f"dl:{self.spec.durable}:{self.spec.stream}:{stream_seq}",

@@ -88,7 +88,7 @@ def durable_api(durable: catalog.Durable) -> list[str]:
         # the message a MAX_DELIVERIES advisory names, to record it as a dead letter
         f"{JS_API}.STREAM.MSG.GET.{s}",
         f"{JS_API}.DIRECT.GET.{s}",
-        f"{subjects.DEAD_LETTER_PREFIX}.{d}",
+        subjects.dead_letter_subject(d),
     ]
 
 

@@ -5,28 +5,31 @@ A service declares its bus surface beside its handlers::
     svc = Service("handoff", "0.1.0", "Handoffs…", schema="handoff",
                   migrations=["handoff.migrations"])
 
-    @svc.command(subjects.HANDOFFS_OFFER)
+    @svc.command(catalog.HANDOFFS_OFFER)
     async def offer(cmd: OfferHandoff, repo: HandoffRepository) -> OfferReply: ...
 
     @svc.subscribe(CLOSINGS)
-    async def on_closed(event: Event, tx: Transaction) -> None: ...
+    async def on_closed(event: Event, repo: HandoffRepository) -> None: ...
 
 (`schema=None`: a service that keeps nothing durable, the gateway, gets no Postgres)
 and its `app.py`, the composition root (cosmicpython's `bootstrap`), builds the parts
 and runs it::
 
     async with svc.open(settings) as rt:
-        rt.relay(LogAppender(rt.nc))
-        await svc.serve(rt, repo=HandoffRepository(rt.pool))
+        relay = rt.relay(CommandSender(rt.nc))
+        await svc.serve(rt, repo=HandoffRepository(rt.pool, relay.wake))
 
 The first parameter of a handler is its message, parsed into the model its annotation
-names (FastStream: the signature is the contract). The others are dependencies,
-injected by name: whatever `serve` was given, `nc`, `js`, `pool`, `settings`, and two
-the kit makes for each message of a subscription:
-- `tx`: a `Transaction` opened around the handler, committed when it returns; its
-  `outbox` is where the handler's events go (`tx.outbox.append(event)`), and with
-  `claim=True` the message id is claimed in it first (a repeat is acked, not handled);
-- `attempt`: which delivery of the message this is (`attempt.last`: no retry follows).
+names (FastStream: the signature is the contract). A command declared by the catalog's
+`Command` has its handler's request and reply annotations checked against the catalog
+when it is declared, so a handler wired to the wrong command fails at import, not on
+its first request. The others are dependencies, injected by name: whatever `serve` was
+given, `nc`, `js`, `pool`, `settings`, and one the kit makes for each message of a
+subscription, `attempt`: which delivery of the message this is (`attempt.last`: no
+retry follows). A handler writes its state and its events through its repository's
+transaction (`servicekit.outbox.with_outbox`), as a command does; a handler whose
+effect must happen once per message claims the message id in that same transaction
+(`servicekit.consumer.claim_once`), so the claim and the effect commit together.
 
 Subscriptions get the consumer rules of `servicekit.consumer`: ack after the handler
 returns (after commit), nak with backoff on failure, dead-letter a message that can
@@ -48,11 +51,10 @@ from typing import Any, TypeVar
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
-from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent, claim_once
-from servicekit.db import Connection
+from contracts.catalog import Command
+from servicekit.consumer import ConsumerSpec, DurableConsumer, Handler, Permanent
 from servicekit.endpoint import Endpoints
 from servicekit.metrics import CONSUMER_PENDING
-from servicekit.outbox import Outbox
 from servicekit.retention import Retention, RetentionPolicy
 from servicekit.runtime import Runtime, open_runtime, wait_until_stopped
 from servicekit.settings import ServiceSettings
@@ -61,15 +63,7 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 # A consumer's spec, or how to make it from the service's settings.
 SpecOf = ConsumerSpec | Callable[[Any], ConsumerSpec]
 # Made by the kit for each message, not given to `serve`.
-PER_MESSAGE = frozenset({"tx", "attempt"})
-
-
-@dataclass(frozen=True)
-class Transaction:
-    """The transaction a subscription's handler runs in, and its outbox."""
-
-    conn: Connection
-    outbox: Outbox
+PER_MESSAGE = frozenset({"attempt"})
 
 
 @dataclass(frozen=True)
@@ -92,7 +86,6 @@ class Subscription:
     spec: SpecOf
     model: type[BaseModel]
     handler: Callable[..., Awaitable[None]]
-    claim: bool
     per_session: bool
 
     def spec_for(self, settings: ServiceSettings) -> ConsumerSpec:
@@ -119,6 +112,38 @@ def message_model(handler: Callable[..., Any]) -> type[BaseModel]:
             "(imported at run time), or name the model in the decorator"
         )
     return model
+
+
+def _check_signature(command: Command[Any, Any], handler: Callable[..., Any]) -> None:
+    """Refuse a handler whose request or reply annotation is not the catalog's."""
+    first = next(iter(inspect.signature(handler).parameters), None)
+    try:
+        hints = typing.get_type_hints(handler)
+    except NameError as exc:  # an annotation imported only for type checking
+        raise TypeError(
+            f"{command.subject}: the annotations of {handler.__qualname__} must be importable "
+            f"at run time to be checked against the catalog ({exc})"
+        ) from None
+    found = {
+        "request": hints.get(first) if first is not None else None,
+        "reply": hints.get("return"),
+    }
+    expected = {"request": command.request, "reply": command.reply}
+    wrong = [part for part in expected if found[part] is not expected[part]]
+    if wrong:
+        raise TypeError(
+            f"{command.subject}: {handler.__qualname__} does not match the catalog: "
+            + "; ".join(
+                f"{part} expected {_type_name(expected[part])}, found {_type_name(found[part])}"
+                for part in wrong
+            )
+        )
+
+
+def _type_name(annotation: object) -> str:
+    if annotation is None:
+        return "no annotation"
+    return annotation.__name__ if isinstance(annotation, type) else repr(annotation)
 
 
 def session_of_subject(msg: Msg) -> str:
@@ -156,11 +181,24 @@ class Service:
         self.commands: list[_CommandDecl] = []
         self.subscriptions: list[Subscription] = []
 
-    def command(self, subject: str, request: type[BaseModel] | None = None) -> Callable[[F], F]:
-        """Answer `subject` with the handler; its request model is its first parameter's."""
+    def command(
+        self, command: Command[Any, Any] | str, request: type[BaseModel] | None = None
+    ) -> Callable[[F], F]:
+        """Answer a command with the handler. Given the catalog's `Command`, the handler's
+        request and reply annotations must be its models, and this service its server;
+        given a bare subject, the request model is the handler's first parameter's."""
 
         def register(handler: F) -> F:
-            model = request or message_model(handler)
+            if isinstance(command, Command):
+                if command.service != self.name:
+                    raise TypeError(
+                        f"{command.subject} is served by {command.service} in the catalog, "
+                        f"not by {self.name}"
+                    )
+                _check_signature(command, handler)
+                subject, model = command.subject, command.request
+            else:
+                subject, model = command, request or message_model(handler)
             self.commands.append(_CommandDecl(subject, model, handler))
             return handler
 
@@ -171,14 +209,13 @@ class Service:
         spec: SpecOf,
         model: type[BaseModel] | None = None,
         *,
-        claim: bool = False,
         per_session: bool = False,
     ) -> Callable[[F], F]:
         """Consume the durable `spec` (or `spec(settings)`) with the handler."""
 
         def register(handler: F) -> F:
             parsed = model or message_model(handler)
-            self.subscriptions.append(Subscription(spec, parsed, handler, claim, per_session))
+            self.subscriptions.append(Subscription(spec, parsed, handler, per_session))
             return handler
 
         return register
@@ -233,7 +270,7 @@ class Service:
         spec = sub.spec_for(rt.settings)
         # Created once here, so the pullers below only bind to it.
         await rt.js.add_consumer(spec.stream, spec.config())
-        handler = self._consume(rt, sub, spec, deps)
+        handler = self._consume(sub, spec, deps)
         key = session_of_subject if sub.per_session else None
 
         async def lag() -> None:
@@ -246,14 +283,10 @@ class Service:
             suffix = f"-{worker}" if spec.workers > 1 else ""
             rt.background(consumer.run(), f"{spec.durable}{suffix}")
 
-    def _consume(
-        self, rt: Runtime, sub: Subscription, spec: ConsumerSpec, deps: Mapping[str, Any]
-    ) -> Handler:
-        """The raw-message handler: parse, claim, run in a transaction, by the handler's
-        signature."""
+    def _consume(self, sub: Subscription, spec: ConsumerSpec, deps: Mapping[str, Any]) -> Handler:
+        """The raw-message handler: parse, then run by the handler's signature."""
         wanted = set(inspect.signature(sub.handler).parameters)
         bound = _dependencies(sub.handler, deps, PER_MESSAGE)
-        in_transaction = sub.claim or "tx" in wanted
 
         async def handle(msg: Msg) -> None:
             try:
@@ -263,18 +296,7 @@ class Service:
             kwargs = dict(bound)
             if "attempt" in wanted:
                 kwargs["attempt"] = Attempt(msg.metadata.num_delivered, spec.max_deliver)
-            if not in_transaction:
-                await sub.handler(message, **kwargs)
-                return
-            msg_id = (msg.headers or {}).get("Nats-Msg-Id") or (
-                f"{spec.stream}:{msg.metadata.sequence.stream}"
-            )
-            async with rt.pool.acquire() as conn, conn.transaction():
-                if sub.claim and not await claim_once(conn, spec.durable, msg_id):
-                    return  # handled before: its effect is committed
-                if "tx" in wanted:
-                    kwargs["tx"] = Transaction(conn, Outbox(conn))
-                await sub.handler(message, **kwargs)
+            await sub.handler(message, **kwargs)
 
         return handle
 

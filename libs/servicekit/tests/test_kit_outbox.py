@@ -24,6 +24,7 @@ from servicekit.outbox import (
     OutboxRelay,
     OutboxRow,
     notify_channel,
+    publisher,
     retry_delay,
     with_outbox,
 )
@@ -222,8 +223,9 @@ async def test_notify_wakes_the_relay_long_before_its_poll(
 async def test_rows_of_a_process_with_its_relay_wake_it_without_a_notify(
     pool: asyncpg.Pool, nc: Client, stream: tuple[str, str], background: Background
 ) -> None:
-    """`with_outbox` given the relay of its process: the committed rows wake it directly
-    (its poll is two minutes away) and no NOTIFY goes to the database's listeners."""
+    """`with_outbox` given the wake-up of its process's relay: the committed rows wake it
+    directly (its poll is two minutes away) and no NOTIFY goes to the database's
+    listeners."""
     _, prefix = stream
     relay = await relay_polling_rarely(pool, nc, background)
     heard: list[str] = []
@@ -236,7 +238,7 @@ async def test_rows_of_a_process_with_its_relay_wake_it_without_a_notify(
         await listener.add_listener(channel, hear)
         try:
             for n in (1, 2):
-                async with with_outbox(pool, relay) as (_, queue):
+                async with with_outbox(pool, relay.wake) as (_, queue):
                     await queue.send(f"{prefix}.a", f"evt-{n}", b"{}")
                 await wait_for(lambda n=n: relay.delivered == n, timeout=10, what=f"row {n}")
 
@@ -307,7 +309,7 @@ async def test_an_unanswered_publish_times_out_and_the_row_is_retried_later(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Something answers nothing on the subject (a stalled server, a misrouted subject).
-    monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(publisher, "SEND_TIMEOUT_SECONDS", 0.2)
     subject = f"blackhole{uuid.uuid4().hex[:10]}.a"
     sink = await nc.subscribe(subject)
     relay = OutboxRelay(pool, JetStreamPublisher(nc))
@@ -327,7 +329,7 @@ async def test_unanswered_publishes_of_a_batch_time_out_together(
     pool: asyncpg.Pool, js: JetStreamContext, nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     timeout = 1.0
-    monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", timeout)
+    monkeypatch.setattr(publisher, "SEND_TIMEOUT_SECONDS", timeout)
     subject = f"blackhole{uuid.uuid4().hex[:10]}.a"
     sink = await nc.subscribe(subject)
     relay = OutboxRelay(pool, JetStreamPublisher(nc))
@@ -413,7 +415,7 @@ class AwaitingSender:
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
         self.reply = asyncio.get_running_loop().create_future()
-        # JetStreamPublisher awaits each ack so, and LogAppender's nc.request does inside.
+        # JetStreamPublisher awaits each ack so, and CommandSender's nc.request does inside.
         await asyncio.wait_for(self.reply, 30)
         return [DELIVERED for _ in rows]
 

@@ -26,13 +26,14 @@ from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.endpoint import error_reply
 from servicekit.outbox import (
     DELIVERED,
+    CommandSender,
     Delivery,
     JetStreamPublisher,
-    LogAppender,
     Outbox,
     OutboxRelay,
     OutboxRow,
     Queued,
+    publisher,
 )
 from servicekit.testing import stream_messages, wait_for
 
@@ -205,7 +206,7 @@ async def test_a_later_row_of_a_key_does_not_overtake_one_that_failed(
 ) -> None:
     # The stream drops the first event (too large: its publish is never acked); the
     # next event of the session must not reach consumers before it.
-    monkeypatch.setattr(outbox, "SEND_TIMEOUT_SECONDS", 0.3)
+    monkeypatch.setattr(publisher, "SEND_TIMEOUT_SECONDS", 0.3)
     stream = await make_stream(max_msg_size=1024)
     _, prefix = stream
     async with pool.acquire() as conn, conn.transaction():
@@ -398,7 +399,7 @@ async def test_the_log_appender_appends_a_sessions_events_in_order_in_few_reques
     keys = [f"e-{n:03d}" for n in range(events)]
     await enqueue_appends(pool, *((session, k) for k in keys))
 
-    assert await OutboxRelay(pool, LogAppender(nc), batch=events).drain_once() == events
+    assert await OutboxRelay(pool, CommandSender(nc), batch=events).drain_once() == events
 
     assert fake_log.appended == keys
     assert fake_log.requests == [subjects.EVENTS_APPEND_MANY] * requests
@@ -413,7 +414,7 @@ async def test_a_session_held_back_in_one_request_sends_nothing_in_the_next(
     keys = [f"h-{n:03d}" for n in range(300)]
     await enqueue_appends(pool, *((held, k) for k in keys), (other, "o-1"))
 
-    assert await OutboxRelay(pool, LogAppender(nc), batch=301).drain_once() == 301
+    assert await OutboxRelay(pool, CommandSender(nc), batch=301).drain_once() == 301
 
     assert fake_log.appended == ["o-1"]
     assert len(fake_log.requests) == 2  # the second carries only the other session's
@@ -431,7 +432,7 @@ async def test_a_row_that_gets_the_whole_request_refused_is_found_and_dead_lette
         await Outbox(conn).send(subjects.EVENTS_APPEND, "poison", b"{no", ordering_key=str(session))
     await enqueue_appends(pool, (session, "e-2"))
 
-    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 3
+    assert await OutboxRelay(pool, CommandSender(nc)).drain_once() == 3
 
     assert fake_log.appended == ["e-1", "e-2"]
     assert await waiting(pool) == []
@@ -447,7 +448,7 @@ async def test_the_log_appender_sends_one_request_per_row_to_a_log_without_appen
     try:
         session = uuid.uuid4()
         await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
-        assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 2
+        assert await OutboxRelay(pool, CommandSender(nc)).drain_once() == 2
     finally:
         await sub.unsubscribe()
     assert log.appended == ["e-1", "e-2"]
@@ -460,7 +461,7 @@ async def test_a_transient_refusal_holds_back_its_session_only(
     held, other = uuid.uuid4(), uuid.uuid4()
     fake_log.refuse["h-1"] = "unavailable"
     await enqueue_appends(pool, (held, "h-1"), (other, "o-1"), (held, "h-2"))
-    relay = OutboxRelay(pool, LogAppender(nc))
+    relay = OutboxRelay(pool, CommandSender(nc))
 
     assert await relay.drain_once() == 3
 
@@ -480,7 +481,7 @@ async def test_a_permanent_refusal_is_dead_lettered_and_its_session_goes_on(
     fake_log.refuse["e-1"] = "invalid_payload"
     await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
 
-    assert await OutboxRelay(pool, LogAppender(nc)).drain_once() == 2
+    assert await OutboxRelay(pool, CommandSender(nc)).drain_once() == 2
 
     assert fake_log.appended == ["e-2"]
     assert await waiting(pool) == []
@@ -496,7 +497,7 @@ async def test_a_permanent_refusal_is_counted(
     fake_log.refuse["e-1"] = "invalid_request"
     await enqueue_appends(pool, (uuid.uuid4(), "e-1"))
     before = dead_letters(subjects.EVENTS_APPEND)
-    relay = OutboxRelay(pool, LogAppender(nc))
+    relay = OutboxRelay(pool, CommandSender(nc))
 
     await relay.drain_once()
 
@@ -510,7 +511,7 @@ async def test_an_internal_error_is_retried_a_bounded_number_of_times_then_dead_
     session = uuid.uuid4()
     fake_log.refuse["e-1"] = "internal"
     await enqueue_appends(pool, (session, "e-1"), (session, "e-2"))
-    relay = OutboxRelay(pool, LogAppender(nc))
+    relay = OutboxRelay(pool, CommandSender(nc))
 
     await relay.drain_once()
     assert await waiting(pool) == [("e-1", 1), ("e-2", 1)]  # retried, its session waits

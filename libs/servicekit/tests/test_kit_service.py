@@ -19,12 +19,20 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from pydantic import BaseModel
 
-from contracts.session_events import AppendEvent
+from contracts import catalog
+from contracts.session_events import (
+    AppendEvent,
+    ListSessions,
+    SessionRef,
+    SessionsReply,
+    SessionView,
+)
 from domain.errors import DomainError
 from servicekit.cancellation import stop
-from servicekit.consumer import ConsumerSpec, claim_once
+from servicekit.consumer import ConsumerSpec
+from servicekit.outbox import with_outbox
 from servicekit.runtime import Runtime
-from servicekit.service import Attempt, Service, Transaction, session_of_subject
+from servicekit.service import Attempt, Service, session_of_subject
 from servicekit.settings import ServiceSettings
 from servicekit.testing import wait_for
 
@@ -163,20 +171,21 @@ async def test_a_subscription_commits_its_outbox_row_once_then_acks(
     svc = Service(f"toy_{uuid.uuid4().hex[:8]}", "1.0.0", "A toy service.", schema=KIT_SCHEMA)
     seen = Seen()
 
-    @svc.subscribe(spec, claim=True)
-    async def noted(note: Note, tx: Transaction, attempt: Attempt) -> None:
+    @svc.subscribe(spec)
+    async def noted(note: Note, attempt: Attempt) -> None:
         seen.attempts.append(attempt)
-        await tx.outbox.append(
-            AppendEvent(
-                session_id=note.session_id,
-                type="chat.message",
-                actor="system:kit-tests",
-                payload={"text": f"note {note.n}"},
-                idempotency_key=f"note:{note.n}",
+        async with with_outbox(pool, None) as (_, outbox):
+            await outbox.append(
+                AppendEvent(
+                    session_id=note.session_id,
+                    type="chat.message",
+                    actor="system:kit-tests",
+                    payload={"text": f"note {note.n}"},
+                    idempotency_key=f"note:{note.n}",
+                )
             )
-        )
-        if attempt.number == 1:
-            raise ConnectionError("the store blinked")  # rolls the row back: retried
+            if attempt.number == 1:
+                raise ConnectionError("the store blinked")  # rolls the row back: retried
 
     await serve(svc)
     session = uuid.uuid4()
@@ -186,38 +195,7 @@ async def test_a_subscription_commits_its_outbox_row_once_then_acks(
     assert [(a.number, a.last) for a in seen.attempts] == [(1, False), (2, False)]
     rows = await pool.fetch("SELECT msg_id FROM outbox WHERE msg_id = 'note:1'")
     assert len(rows) == 1
-    assert (
-        await pool.fetchval(
-            "SELECT count(*) FROM processed_messages WHERE consumer = $1 AND msg_id = 'm-1'",
-            spec.durable,
-        )
-        == 1
-    )
     await pool.execute("DELETE FROM outbox WHERE msg_id = 'note:1'")
-
-
-async def test_a_message_claimed_before_is_acked_without_running_the_handler(
-    js: JetStreamContext, pool: asyncpg.Pool, stream: tuple[str, str], serve: Serve
-) -> None:
-    # As after a crash between the commit of the effect and the ack.
-    _, prefix = stream
-    spec = spec_for(stream)
-    svc = Service(f"toy_{uuid.uuid4().hex[:8]}", "1.0.0", "A toy service.", schema=KIT_SCHEMA)
-    seen = Seen()
-
-    @svc.subscribe(spec, claim=True)
-    async def noted(note: Note) -> None:
-        seen.started.append(note.n)
-
-    async with pool.acquire() as conn:
-        assert await claim_once(conn, spec.durable, "m-done")
-    await serve(svc)
-    session = uuid.uuid4()
-    await publish(js, f"{prefix}.n.p.{session}", Note(session_id=session, n=1), "m-done")
-    await publish(js, f"{prefix}.n.p.{session}", Note(session_id=session, n=2), "m-new")
-
-    await wait_for(lambda: settled(js, spec, 2), what="both notes acked")
-    assert seen.started == [2]
 
 
 async def test_a_message_that_is_not_the_model_is_dead_lettered_at_once(
@@ -317,6 +295,49 @@ def test_a_handler_whose_message_is_not_a_model_is_refused_when_declared() -> No
         raise AssertionError("declared a command without a request model")
     svc.command("cmd.toy.untyped", Add)(untyped)  # named in the decorator: fine
     assert [(c.subject, c.request) for c in svc.commands] == [("cmd.toy.untyped", Add)]
+
+
+def test_a_handler_not_matching_its_catalog_command_is_refused_when_declared() -> None:
+    svc = Service("session_events", "1.0.0", "A toy log.", schema=KIT_SCHEMA)
+
+    async def get_session(cmd: SessionRef) -> SessionView:
+        raise NotImplementedError
+
+    async def list_sessions(cmd: ListSessions) -> SessionsReply:
+        raise NotImplementedError
+
+    async def unannotated(cmd, repo):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    with pytest.raises(TypeError) as wrong_request:
+        svc.command(catalog.SESSIONS_LIST)(get_session)
+    assert str(wrong_request.value).startswith("cmd.sessions.list: ")
+    assert str(wrong_request.value).endswith(
+        ".get_session does not match the catalog: "
+        "request expected ListSessions, found SessionRef; "
+        "reply expected SessionsReply, found SessionView"
+    )
+    with pytest.raises(TypeError) as wrong_reply:
+        svc.command(catalog.SESSIONS_HEARTBEAT)(get_session)
+    assert str(wrong_reply.value).endswith(
+        ".get_session does not match the catalog: reply expected HeartbeatReply, found SessionView"
+    )
+    with pytest.raises(TypeError) as untyped:
+        svc.command(catalog.SESSIONS_GET)(unannotated)
+    assert "request expected SessionRef, found no annotation" in str(untyped.value)
+    with pytest.raises(TypeError) as elsewhere:
+        svc.command(catalog.HANDOFFS_LIST)(list_sessions)
+    assert str(elsewhere.value) == (
+        "cmd.handoffs.list is served by handoff in the catalog, not by session_events"
+    )
+    assert svc.commands == []
+
+    svc.command(catalog.SESSIONS_GET)(get_session)
+    svc.command(catalog.SESSIONS_LIST)(list_sessions)
+    assert [(c.subject, c.request) for c in svc.commands] == [
+        ("cmd.sessions.get", SessionRef),
+        ("cmd.sessions.list", ListSessions),
+    ]
 
 
 def test_held_messages_are_reported_in_progress_well_within_backoff_and_ack_wait() -> None:

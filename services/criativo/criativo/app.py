@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from criativo.actors import Actors
-from criativo.handlers import SERVICE, CriativoSettings, inputs_spec, svc
+from criativo.handlers import SERVICE, inputs_spec, svc
 from criativo.lease import open_leases
 from criativo.offers import OfferSender
 from criativo.session import SessionWork
+from criativo.settings import CriativoSettings
 from criativo.turns import Turns
 from harness import MeteringClient
 from servicekit.runtime import run_service
 from servicekit.sessionlog import SessionLogClient
 
-__all__ = ["CriativoSettings", "inputs_spec", "main", "run"]
+__all__ = ["inputs_spec", "main", "run"]
 
 
 async def main(settings: CriativoSettings | None = None) -> None:
@@ -31,6 +32,7 @@ async def main(settings: CriativoSettings | None = None) -> None:
             budget_micros=settings.session_budget_micros,
             in_progress_wait_seconds=settings.turn_in_progress_wait_seconds,
         )
+        offer_relay = rt.relay(OfferSender(rt.nc), "offer-relay")
         work = SessionWork(
             rt.nc,
             rt.pool,
@@ -39,9 +41,9 @@ async def main(settings: CriativoSettings | None = None) -> None:
             turns,
             settings.crash_limit,
             settings.dependency_wait_seconds,
+            offer_relay.wake,
         )
         actors = Actors(work, settings.idle_seconds)
-        rt.relay(OfferSender(rt.nc), "offer-relay")
         try:
             await svc.serve(rt, actors=actors)
         finally:

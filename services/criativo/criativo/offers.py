@@ -34,16 +34,23 @@ from contracts.handoff import OfferHandoff
 from contracts.session_events import AppendEvent
 from domain.criativo import CRIATIVO, CRIATIVO_ACTOR
 from servicekit.consumer import claim_once
-from servicekit.outbox import DELIVERED, Delivery, LogAppender, Outbox, OutboxRow
+from servicekit.outbox import DELIVERED, CommandSender, Delivery, OutboxRow, Wake, with_outbox
 
 OFFER_TARGET = "po"
 CLAIMS = "criativo-offers"
 
 
 async def queue_offer(
-    pool: asyncpg.Pool, project_id: str, session_id: UUID, readiness_id: UUID, brief_id: UUID
+    pool: asyncpg.Pool,
+    wake: Wake | None,
+    project_id: str,
+    session_id: UUID,
+    readiness_id: UUID,
+    brief_id: UUID,
 ) -> bool:
-    """Queue the offer of `brief_id` to PO, once per readiness; False when already queued."""
+    """Queue the offer of `brief_id` to PO, once per readiness; False when already queued.
+    `wake`: wakes the offer relay of this process once the offer is committed
+    (`servicekit.outbox.with_outbox`)."""
     offer = OfferHandoff(
         project_id=project_id,
         session_id=session_id,
@@ -51,10 +58,10 @@ async def queue_offer(
         to_agent=OFFER_TARGET,
         artifact_id=brief_id,
     )
-    async with pool.acquire() as conn, conn.transaction():
+    async with with_outbox(pool, wake) as (conn, outbox):
         if not await claim_once(conn, CLAIMS, f"offer:{readiness_id}"):
             return False
-        await Outbox(conn).send(
+        await outbox.send(
             subjects.HANDOFFS_OFFER,
             f"criativo:offer:{readiness_id}",
             offer.model_dump_json().encode(),
@@ -68,7 +75,7 @@ class OfferSender:
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
-        self._requests = LogAppender(nc)
+        self._requests = CommandSender(nc)
 
     async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
         results = await self._requests.send(rows)

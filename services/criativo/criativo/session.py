@@ -47,6 +47,7 @@ from domain.criativo import Action, Conversation
 from servicekit import provenance
 from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
+from servicekit.outbox import Wake
 from servicekit.patience import Patience, is_unavailable
 from servicekit.sessionlog import SessionClosed, SessionLogClient, SessionNotFound
 
@@ -69,9 +70,12 @@ class SessionWork:
         turns: Turns,
         crash_limit: int,
         dependency_wait_seconds: float = 60.0,
+        wake_offers: Wake | None = None,
     ) -> None:
+        """`wake_offers`: wakes the offer relay of this process once an offer is queued."""
         self._nc = nc
         self._pool = pool
+        self._wake_offers = wake_offers
         self._log = sessions
         self._leases = leases
         self._turns = turns
@@ -320,5 +324,7 @@ class SessionWork:
                 response_id=brief_id,
             ),
         )
-        await queue_offer(self._pool, conv.project_id, conv.session_id, readiness_id, brief_id)
+        await queue_offer(
+            self._pool, self._wake_offers, conv.project_id, conv.session_id, readiness_id, brief_id
+        )
         return await self.catch_up(conv)

@@ -28,8 +28,8 @@ from contracts.session_events import (
     OpenSession,
     SessionOpenedReply,
 )
-from criativo.app import CriativoSettings
 from criativo.app import main as criativo_main
+from criativo.settings import CriativoSettings
 from handoff.app import main as handoff_main
 from metering.providers.base import (
     OnText,
@@ -50,8 +50,8 @@ from servicekit.bus import provision_buckets
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
 from servicekit.testing import log_events, running_service, subscribed, wait_for
-from session_events.app import LogSettings
 from session_events.app import main as log_main
+from session_events.settings import LogSettings
 
 WORDS = " ".join(f"palavra{i}" for i in range(15))
 

@@ -17,7 +17,7 @@ from contracts import catalog, subjects
 from contracts.events import Event, EventType
 from contracts.handoff import AcceptReply, HandoffDecision
 from contracts.metering import SetLimits, SpendLimits
-from criativo.app import CriativoSettings
+from criativo.settings import CriativoSettings
 from servicekit.client import call
 from servicekit.provenance import FORGED_EVENTS
 from servicekit.testing import wait_for

@@ -21,20 +21,20 @@ from playwright.async_api import async_playwright
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from criativo.app import CriativoSettings
 from criativo.app import main as criativo_main
+from criativo.settings import CriativoSettings
 from gateway.app import main as gateway_main
 from gateway.auth import mint
 from gateway.settings import GatewaySettings
 from handoff.app import main as handoff_main
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
 from metering.testing import Starter
-from psychologist.app import PsychologistSettings
 from psychologist.app import main as psychologist_main
+from psychologist.settings import PsychologistSettings
 from servicekit.settings import ServiceSettings
 from servicekit.testing import running_service, wait_for
-from session_events.app import LogSettings
 from session_events.app import main as log_main
+from session_events.settings import LogSettings
 
 from .browsing import ARGS, CHROMIUM, INSTALLED, Browsing
 

@@ -18,7 +18,8 @@ from nats.aio.client import Client
 
 from gateway.app import main as gateway_main
 from gateway.settings import GatewaySettings
-from metering.app import MeteringSettings, build_provider
+from metering.app import build_provider
+from metering.settings import MeteringSettings
 from metering.testing import Starter
 from servicekit.testing import running_service
 

@@ -6,7 +6,8 @@ from handoff.batching import OfferBatcher
 from handoff.directory import SessionDirectory
 from handoff.handlers import CLOSINGS, SERVICE, svc
 from handoff.repository import HandoffRepository
-from servicekit.outbox import LogAppender
+from handoff.settings import HandoffSettings
+from servicekit.outbox import CommandSender
 from servicekit.runtime import run_service
 from servicekit.sessionlog import SessionLogClient
 from servicekit.settings import ServiceSettings
@@ -16,9 +17,9 @@ __all__ = ["CLOSINGS", "main", "run"]
 
 async def main(settings: ServiceSettings | None = None) -> None:
     """Serve the handoff commands, relay its events to the log, follow session closings."""
-    async with svc.open(settings or ServiceSettings()) as rt:
-        relay = rt.relay(LogAppender(rt.nc))
-        repo = HandoffRepository(rt.pool, relay)
+    async with svc.open(settings or HandoffSettings()) as rt:
+        relay = rt.relay(CommandSender(rt.nc))
+        repo = HandoffRepository(rt.pool, relay.wake)
         await svc.serve(
             rt,
             repo=repo,

@@ -7,7 +7,7 @@ from uuid import UUID
 
 from nats.aio.client import Client
 
-from contracts import streams, subjects
+from contracts import catalog, streams
 from contracts.catalog import SESSION_CLOSINGS_FILTER
 from contracts.common import ErrorCode
 from contracts.events import SESSION_CLOSINGS, Event
@@ -51,7 +51,7 @@ svc = Service(
 )
 
 
-@svc.command(subjects.HANDOFFS_OFFER)
+@svc.command(catalog.HANDOFFS_OFFER)
 async def offer(cmd: OfferHandoff, offers: OfferBatcher, sessions: SessionDirectory) -> OfferReply:
     check_handoff_target(cmd.from_agent, cmd.to_agent)
     await sessions.open_session(cmd.session_id, cmd.project_id, open_for=OPEN_FOR_SECONDS)
@@ -60,7 +60,7 @@ async def offer(cmd: OfferHandoff, offers: OfferBatcher, sessions: SessionDirect
     return await offers.offer(cmd)
 
 
-@svc.command(subjects.HANDOFFS_OFFER_MANY)
+@svc.command(catalog.HANDOFFS_OFFER_MANY)
 async def offer_many(
     cmd: OfferMany, repo: HandoffRepository, sessions: SessionDirectory
 ) -> OfferManyReply:
@@ -89,7 +89,7 @@ async def in_the_log(relay: OutboxRelay, session_id: UUID) -> None:
         )
 
 
-@svc.command(subjects.HANDOFFS_ACCEPT)
+@svc.command(catalog.HANDOFFS_ACCEPT)
 async def accept(
     cmd: HandoffDecision, repo: HandoffRepository, sessions: SessionDirectory, relay: OutboxRelay
 ) -> AcceptReply:
@@ -100,26 +100,26 @@ async def accept(
     return reply
 
 
-@svc.command(subjects.HANDOFFS_REJECT)
+@svc.command(catalog.HANDOFFS_REJECT)
 async def reject(cmd: HandoffDecision, repo: HandoffRepository) -> HandoffReply:
     async with repo.transaction() as tx:
         return HandoffReply(handoff=await lifecycle.reject(tx, cmd))
 
 
-@svc.command(subjects.HANDOFFS_COMPLETE)
+@svc.command(catalog.HANDOFFS_COMPLETE)
 async def complete(cmd: HandoffDecision, repo: HandoffRepository) -> HandoffReply:
     async with repo.transaction() as tx:
         return HandoffReply(handoff=await lifecycle.complete(tx, cmd))
 
 
-@svc.command(subjects.HANDOFFS_LIST)
+@svc.command(catalog.HANDOFFS_LIST)
 async def list_handoffs(cmd: ListHandoffs, repo: HandoffRepository) -> HandoffsReply:
     return HandoffsReply(
         handoffs=await repo.list_handoffs(cmd.project_id, cmd.session_id, cmd.status)
     )
 
 
-@svc.command(subjects.AGENTS_ACTIVATE)
+@svc.command(catalog.AGENTS_ACTIVATE)
 async def activate(
     cmd: ActivateAgent, repo: HandoffRepository, sessions: SessionDirectory, relay: OutboxRelay
 ) -> ActivationReply:
@@ -131,7 +131,7 @@ async def activate(
     return reply
 
 
-@svc.command(subjects.AGENTS_ACTIVE)
+@svc.command(catalog.AGENTS_ACTIVE)
 async def active(cmd: ActiveAgents, repo: HandoffRepository) -> ActiveAgentsReply:
     return ActiveAgentsReply(activations=await repo.active_in_project(cmd.project_id))
 

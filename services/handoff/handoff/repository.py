@@ -18,7 +18,7 @@ from contracts.session_events import AppendEnvelope
 from domain.errors import DomainError
 from domain.handoff import Status
 from servicekit.db import Connection
-from servicekit.outbox import Announcement, Outbox, OutboxRelay, with_outbox
+from servicekit.outbox import Announcement, Outbox, Wake, with_outbox
 
 HANDOFF_COLUMNS = (
     "id, project_id, session_id, from_agent, to_agent, artifact_id, status, "
@@ -274,15 +274,15 @@ def _fields(row: dict[str, Any] | None) -> dict[str, Any]:
 class HandoffRepository:
     """Transactions and reads over the `handoff` schema."""
 
-    def __init__(self, pool: asyncpg.Pool, relay: OutboxRelay | None = None) -> None:
-        """`relay`: the outbox relay of this process, woken once a decision's events are
-        committed instead of by a NOTIFY (`servicekit.outbox.with_outbox`)."""
+    def __init__(self, pool: asyncpg.Pool, wake: Wake | None = None) -> None:
+        """`wake`: wakes the outbox relay of this process once a decision's events are
+        committed, instead of a NOTIFY (`servicekit.outbox.with_outbox`)."""
         self._pool = pool
-        self._relay = relay
+        self._wake = wake
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[HandoffTransaction]:
-        async with with_outbox(self._pool, self._relay) as (conn, outbox):
+        async with with_outbox(self._pool, self._wake) as (conn, outbox):
             yield HandoffTransaction(conn, outbox)
 
     async def list_handoffs(

@@ -6,7 +6,8 @@ from datetime import UTC, datetime
 
 from nats.aio.client import Client
 
-from contracts import subjects
+# `catalog` names metering's catalogue of models and prices, a handler dependency.
+from contracts import catalog as commands
 from contracts.common import ErrorCode
 from contracts.metering import (
     BindingSetReply,
@@ -45,17 +46,17 @@ svc = Service(
 )
 
 
-@svc.command(subjects.LLM_TURN)
+@svc.command(commands.LLM_TURN)
 async def turn(cmd: LlmTurn, runner: TurnRunner) -> TurnReply:
     return await runner.run(cmd)
 
 
-@svc.command(subjects.LLM_STREAM)
+@svc.command(commands.LLM_STREAM)
 async def stream(cmd: LlmStream, runner: TurnRunner) -> TurnReply:
     return await runner.run(cmd)
 
 
-@svc.command(subjects.LLM_CANCEL)
+@svc.command(commands.LLM_CANCEL)
 async def cancel(
     cmd: CancelTurn, repo: MeteringRepository, runner: TurnRunner, nc: Client
 ) -> CancelReply:
@@ -68,7 +69,7 @@ async def cancel(
     return CancelReply(turn_id=cmd.turn_id, status="cancelling")
 
 
-@svc.command(subjects.BINDINGS_SET)
+@svc.command(commands.BINDINGS_SET)
 async def set_binding(
     cmd: SetBinding, repo: MeteringRepository, catalog: Catalog, runner: TurnRunner, nc: Client
 ) -> BindingSetReply:
@@ -92,29 +93,29 @@ async def set_binding(
     return BindingSetReply(binding=binding, removed=binding is None)
 
 
-@svc.command(subjects.BINDINGS_LIST)
+@svc.command(commands.BINDINGS_LIST)
 async def list_bindings(cmd: ListBindings, repo: MeteringRepository) -> BindingsReply:
     return BindingsReply(bindings=await repo.list_bindings(cmd.project_id))
 
 
-@svc.command(subjects.BINDINGS_RESOLVE)
+@svc.command(commands.BINDINGS_RESOLVE)
 async def resolve(cmd: ResolveBinding, catalog: Catalog) -> ResolvedBinding:
     binding = catalog.resolve(cmd.agent_slug, cmd.project_id, cmd.session_id)
     return ResolvedBinding(model=binding.model, decided_by=binding)
 
 
-@svc.command(subjects.USAGE_SUMMARY)
+@svc.command(commands.USAGE_SUMMARY)
 async def usage_summary(cmd: UsageSummaryRequest, repo: MeteringRepository) -> UsageSummaryReply:
     return await repo.summary(cmd)
 
 
-@svc.command(subjects.LIMITS_SET)
+@svc.command(commands.LIMITS_SET)
 async def set_limits(cmd: SetLimits, repo: MeteringRepository) -> LimitsSetReply:
     # Read by every admission from the table itself: no cache to tell of the change.
     check_limits(cmd)
     return await repo.set_limits(cmd)
 
 
-@svc.command(subjects.LIMITS_STATUS)
+@svc.command(commands.LIMITS_STATUS)
 async def limits_status(cmd: LimitsStatusRequest, repo: MeteringRepository) -> LimitsStatus:
     return await repo.limits_status(cmd.project_id, cmd.person)

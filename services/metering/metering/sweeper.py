@@ -15,8 +15,8 @@ import asyncio
 import asyncpg
 
 from domain.metering import settle
+from metering.metrics import observe_spend
 from metering.repository import MeteringRepository
-from metering.turns import observe_spend
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)

@@ -17,10 +17,11 @@ import asyncpg
 import pytest_asyncio
 from nats.aio.client import Client
 
-from metering.app import MeteringSettings, main
+from metering.app import main
 from metering.cancels import Cancellations
 from metering.providers.base import Provider
 from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
+from metering.settings import MeteringSettings
 from servicekit.testing import running_service
 
 # Steps keyed by agent slug, so each test picks its behaviour by the agent it names.

@@ -24,9 +24,10 @@ from contracts.metering import (
     TurnReply,
 )
 from domain.metering import cost_micros
-from metering.app import MeteringSettings, build_provider
+from metering.app import build_provider
 from metering.providers.anthropic import AnthropicProvider
 from metering.providers.base import Progress, ProviderError, ProviderRequest
+from metering.settings import MeteringSettings
 from metering.testing import Starter
 from servicekit.client import call
 from servicekit.testing import subscribed, wait_for

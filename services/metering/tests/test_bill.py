@@ -13,7 +13,8 @@ import pytest_asyncio
 
 from contracts.metering import TokenUsage
 from domain.metering import RunBudget
-from metering.repository import MeteringRepository, UsageRecord
+from domain.metering_turn import UsageRecord
+from metering.repository import MeteringRepository
 from metering.sweeper import sweep_once
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.testing import wait_for

@@ -30,10 +30,10 @@ from contracts.metering import (
     TurnReply,
 )
 from domain.metering import Price, estimate_input_tokens, window_start, worst_case_micros
+from domain.metering_turn import prompt_bytes
 from metering.providers.base import OnText, Progress, Provider, ProviderReply, ProviderRequest
 from metering.providers.scripted import ScriptedProvider
 from metering.testing import TEST_SCRIPT, Metering, Starter
-from metering.turns import prompt_bytes
 from servicekit.client import CommandFailed, call
 from servicekit.testing import wait_for
 

@@ -31,11 +31,12 @@ from contracts.metering import (
     UsageSummaryRequest,
 )
 from domain.metering import Price, cost_micros, estimate_input_tokens, worst_case_micros
+from domain.metering_turn import prompt_bytes
 from metering.cancels import RunningTurn
 from metering.catalog import Catalog
+from metering.publisher import DeltaPublisher
 from metering.repository import MeteringRepository
 from metering.testing import Metering, Starter
-from metering.turns import DeltaPublisher, prompt_bytes
 from servicekit.client import CommandFailed, call
 from servicekit.db import create_pool
 from servicekit.testing import subscribed, wait_for

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client
 
-from metering.app import MeteringSettings, build_provider
+from metering.app import build_provider
+from metering.settings import MeteringSettings
 from metering.testing import Starter
 from servicekit.client import announced
 

@@ -10,9 +10,8 @@ from datetime import UTC, datetime
 from itertools import groupby
 
 from nats.aio.client import Client
-from pydantic import Field
 
-from contracts import catalog, streams, subjects
+from contracts import catalog, streams
 from contracts.catalog import SESSION_CLOSINGS_FILTER
 from contracts.common import ErrorCode, person_of
 from contracts.events import SESSION_CLOSINGS, Event
@@ -32,13 +31,13 @@ from domain.psychologist import HypothesisStatus
 from psychologist import lifecycle
 from psychologist.analysis import Analyst, Retry
 from psychologist.repository import PsychologistRepository
+from psychologist.settings import PsychologistSettings
 from servicekit.client import call
 from servicekit.consumer import ConsumerSpec
 from servicekit.logs import get_logger
 from servicekit.provenance import confirm
 from servicekit.service import Attempt, Service
 from servicekit.sessionlog import SessionLogClient
-from servicekit.settings import ServiceSettings
 
 log = get_logger(__name__)
 
@@ -55,22 +54,6 @@ svc = Service(
 MAX_DELIVER = 5
 
 
-class PsychologistSettings(ServiceSettings):
-    """The psychologist's own knobs (`AGENTBUS_ANALYSIS_WORKERS`, …)."""
-
-    # Analyses run at once per replica: each worker pulls one closing at a time, so
-    # nothing is over-fetched, as a `max_workers` pull pool would
-    # (docs/decisions/0001-own-jetstream-consumer.md).
-    analysis_workers: int = 4
-    max_tokens: int = 4096
-    # Redelivery delays; the first is also how long a killed replica's message waits.
-    redelivery_backoff: list[float] = Field(default_factory=lambda: [3.0, 10.0, 30.0, 60.0])
-    # A model turn with no reply this long lost its metering replica (SIGKILLed mid-call:
-    # no reply will ever come): tried again under its next retry id instead of holding
-    # the closing for the request's 600 s. Longer than a whole reply of `max_tokens` takes.
-    turn_lost_seconds: float = 180.0
-
-
 async def refuse_when_over(nc: Client, project_id: str, person: str | None) -> None:
     """Refuse a reanalysis up front when a limit it would run under is used up: the person
     is told now, not by an analysis that fails later."""
@@ -81,7 +64,7 @@ async def refuse_when_over(nc: Client, project_id: str, person: str | None) -> N
         raise limit_refusal(use, datetime.now(UTC))
 
 
-@svc.command(subjects.PSYCHOLOGIST_REANALYZE)
+@svc.command(catalog.PSYCHOLOGIST_REANALYZE)
 async def reanalyze(
     cmd: Reanalyze, session_log: SessionLogClient, analyst: Analyst, nc: Client
 ) -> AnalysisOutcome:
@@ -106,7 +89,7 @@ async def reanalyze(
     return await analyst.analyse(prepared, last_attempt=True)
 
 
-@svc.command(subjects.HYPOTHESES_ACCEPT)
+@svc.command(catalog.HYPOTHESES_ACCEPT)
 async def accept(cmd: HypothesisDecision, repo: PsychologistRepository) -> HypothesisReply:
     async with repo.transaction() as tx:
         return HypothesisReply(
@@ -114,7 +97,7 @@ async def accept(cmd: HypothesisDecision, repo: PsychologistRepository) -> Hypot
         )
 
 
-@svc.command(subjects.HYPOTHESES_DISMISS)
+@svc.command(catalog.HYPOTHESES_DISMISS)
 async def dismiss(cmd: HypothesisDecision, repo: PsychologistRepository) -> HypothesisReply:
     async with repo.transaction() as tx:
         return HypothesisReply(
@@ -122,7 +105,7 @@ async def dismiss(cmd: HypothesisDecision, repo: PsychologistRepository) -> Hypo
         )
 
 
-@svc.command(subjects.HYPOTHESES_LIST)
+@svc.command(catalog.HYPOTHESES_LIST)
 async def list_hypotheses(cmd: ListHypotheses, repo: PsychologistRepository) -> HypothesesReply:
     found = await repo.list_hypotheses(cmd.project_id, cmd.status, cmd.include_superseded)
     return HypothesesReply(

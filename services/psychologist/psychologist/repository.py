@@ -17,7 +17,7 @@ from contracts.session_events import AppendEvent
 from domain.errors import DomainError
 from domain.psychologist import HypothesisStatus, TriagePlan, ValidHypothesis
 from servicekit.db import Connection, returned
-from servicekit.outbox import Outbox
+from servicekit.outbox import Outbox, Wake, with_outbox
 
 HYPOTHESIS_SELECT = """
 SELECT h.id, h.analysis_id, h.project_id, h.session_id, h.target_agent, h.statement,
@@ -56,8 +56,9 @@ class AnalysisRow:
 class PsychologistTransaction:
     """The statements of one analysis outcome or one decision, in one transaction."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, outbox: Outbox) -> None:
         self._conn = conn
+        self._outbox = outbox
 
     async def lock_session(self, session_id: UUID) -> None:
         """Serialise the outcomes of one session's analyses (auto, redelivered, manual)."""
@@ -159,7 +160,7 @@ class PsychologistTransaction:
 
         The key is derived from what the event announces, so a retried outcome appends
         nothing twice."""
-        await Outbox(self._conn).append(
+        await self._outbox.append(
             AppendEvent(
                 session_id=session_id,
                 type=event_type.value,
@@ -174,13 +175,16 @@ class PsychologistTransaction:
 class PsychologistRepository:
     """Transactions and reads over the `psychologist` schema."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, wake: Wake | None = None) -> None:
+        """`wake`: wakes the outbox relay of this process once an outcome's events are
+        committed, instead of a NOTIFY (`servicekit.outbox.with_outbox`)."""
         self._pool = pool
+        self._wake = wake
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[PsychologistTransaction]:
-        async with self._pool.acquire() as conn, conn.transaction():
-            yield PsychologistTransaction(conn)
+        async with with_outbox(self._pool, self._wake) as (conn, outbox):
+            yield PsychologistTransaction(conn, outbox)
 
     async def already_analyzed(self, session_id: UUID) -> bool:
         """Decision 5's cheap short-circuit: a current analysis exists, spend nothing."""

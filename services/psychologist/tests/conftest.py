@@ -37,12 +37,12 @@ from contracts.session_events import (
 from metering.providers.base import OnText, Progress, ProviderReply, ProviderRequest
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
 from metering.testing import Metering, Starter
-from psychologist.app import PsychologistSettings
 from psychologist.app import main as psychologist_main
+from psychologist.settings import PsychologistSettings
 from servicekit.client import call
 from servicekit.testing import log_events, outbox_drained, running_service, wait_for
-from session_events.app import LogSettings
 from session_events.app import main as log_main
+from session_events.settings import LogSettings
 
 FINISHED = (EventType.ANALYSIS_COMPLETED.value, EventType.ANALYSIS_FAILED.value)
 

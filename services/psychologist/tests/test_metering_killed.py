@@ -20,8 +20,8 @@ from nats.aio.client import Client
 from contracts.events import EventType
 from psychologist.app import main as psychologist_main
 from servicekit.testing import running_service, wait_for
-from session_events.app import LogSettings
 from session_events.app import main as log_main
+from session_events.settings import LogSettings
 
 from .conftest import FINISHED, LogDriver, psychologist_settings
 

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 from servicekit.outbox import JetStreamPublisher
 from servicekit.runtime import run_service
-from servicekit.settings import ServiceSettings
 from session_events.group_commit import GroupCommit
 from session_events.handlers import SERVICE, svc
 from session_events.reaper import run_reaper
 from session_events.repository import LogRepository
-
-
-class LogSettings(ServiceSettings):
-    """The log's own knobs (`AGENTBUS_HEARTBEAT_TIMEOUT_SECONDS`, …)."""
-
-    heartbeat_timeout_seconds: float = 60.0
-    reaper_interval_seconds: float = 5.0
+from session_events.settings import LogSettings
 
 
 async def main(settings: LogSettings | None = None) -> None:
@@ -23,7 +16,7 @@ async def main(settings: LogSettings | None = None) -> None:
     settings = settings or LogSettings()
     async with svc.open(settings) as rt:
         relay = rt.relay(JetStreamPublisher(rt.nc))
-        repo = LogRepository(rt.pool, relay)
+        repo = LogRepository(rt.pool, relay.wake)
         rt.background(
             run_reaper(repo, settings.heartbeat_timeout_seconds, settings.reaper_interval_seconds),
             "reaper",

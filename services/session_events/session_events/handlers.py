@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 from uuid import uuid4
 
-from contracts import subjects
+from contracts import catalog
 from contracts.common import ErrorBody, ErrorCode
 from contracts.events import (
     ChatMessage,
@@ -92,7 +92,7 @@ async def close_session(
     return SessionClosedReply(session_id=session.id, status=status, event_id=event.id)
 
 
-@svc.command(subjects.SESSIONS_OPEN)
+@svc.command(catalog.SESSIONS_OPEN)
 async def open_session(cmd: OpenSession, repo: LogRepository) -> SessionOpenedReply:
     async with repo.transaction() as tx:
         session = await tx.create_session(cmd.project_id, cmd.opened_by)
@@ -101,7 +101,7 @@ async def open_session(cmd: OpenSession, repo: LogRepository) -> SessionOpenedRe
     return SessionOpenedReply(session_id=session.id, event_id=event.id)
 
 
-@svc.command(subjects.SESSIONS_FORK)
+@svc.command(catalog.SESSIONS_FORK)
 async def fork(cmd: ForkSession, repo: LogRepository) -> SessionForkedReply:
     """A branch in one transaction: the new session, `session.forked`, the parent's
     events up to `at_seq` copied, and the person's message, all through the outbox.
@@ -189,12 +189,12 @@ def pending_append(cmd: AppendEvent, trace: Mapping[str, str] | None = None) -> 
     )
 
 
-@svc.command(subjects.EVENTS_APPEND)
+@svc.command(catalog.EVENTS_APPEND)
 async def append(cmd: AppendEvent, appender: GroupCommit) -> AppendedReply:
     return await appender.append(pending_append(cmd))
 
 
-@svc.command(subjects.EVENTS_APPEND_MANY)
+@svc.command(catalog.EVENTS_APPEND_MANY)
 async def append_many(cmd: AppendMany, appender: GroupCommit) -> AppendManyReply:
     """`append` for each event, in order and in shared batches; each is checked and
     answered on its own (an outbox relay sends its claim so, one request for many)."""
@@ -204,7 +204,7 @@ async def append_many(cmd: AppendMany, appender: GroupCommit) -> AppendManyReply
         try:
             checked.append(pending_append(item, trace))
         except DomainError as refused:
-            checked.append(error_body(refused, subjects.EVENTS_APPEND_MANY))
+            checked.append(error_body(refused, catalog.EVENTS_APPEND_MANY.subject))
     written = iter(await appender.append_chain([p for p in checked if isinstance(p, Pending)]))
     return AppendManyReply(
         results=[
@@ -217,17 +217,17 @@ async def append_many(cmd: AppendMany, appender: GroupCommit) -> AppendManyReply
 def _outcome(written: AppendedReply | Exception) -> AppendOutcome:
     if isinstance(written, AppendedReply):
         return AppendOutcome(**written.model_dump())
-    return AppendOutcome(error=error_body(written, subjects.EVENTS_APPEND_MANY))
+    return AppendOutcome(error=error_body(written, catalog.EVENTS_APPEND_MANY.subject))
 
 
-@svc.command(subjects.EVENTS_GET)
+@svc.command(catalog.EVENTS_GET)
 async def get_events(cmd: GetEvents, repo: LogRepository) -> EventsReply:
     events = await repo.events_by_id(cmd.event_ids)
     found = {e.id for e in events}
     return EventsReply(events=events, missing=[i for i in cmd.event_ids if i not in found])
 
 
-@svc.command(subjects.EVENTS_LIST)
+@svc.command(catalog.EVENTS_LIST)
 async def list_events(cmd: ListEvents, repo: LogRepository) -> EventsReply:
     events = await repo.events_after(cmd.session_id, cmd.after_seq, cmd.limit)
     if not events and not await repo.session_exists(cmd.session_id):
@@ -235,13 +235,13 @@ async def list_events(cmd: ListEvents, repo: LogRepository) -> EventsReply:
     return EventsReply(events=events)
 
 
-@svc.command(subjects.EVENTS_QUERY)
+@svc.command(catalog.EVENTS_QUERY)
 async def query_events(cmd: QueryEvents, repo: LogRepository) -> EventsReply:
     types = [log_rules.known_event_type(t).value for t in cmd.types]
     return EventsReply(events=await repo.events_of_project(cmd.project_id, types, cmd.limit))
 
 
-@svc.command(subjects.SESSIONS_HEARTBEAT)
+@svc.command(catalog.SESSIONS_HEARTBEAT)
 async def heartbeat(cmd: SessionRef, repo: LogRepository) -> HeartbeatReply:
     at = await repo.heartbeat(cmd.session_id)
     if at is None:
@@ -257,28 +257,28 @@ async def heartbeat(cmd: SessionRef, repo: LogRepository) -> HeartbeatReply:
     return HeartbeatReply(session_id=cmd.session_id, last_heartbeat_at=at)
 
 
-@svc.command(subjects.SESSIONS_CLOSE)
+@svc.command(catalog.SESSIONS_CLOSE)
 async def close(cmd: CloseSession, repo: LogRepository) -> SessionClosedReply:
     async with repo.transaction() as tx:
         session = await tx.lock_session(cmd.session_id)
         return await close_session(tx, session, None, cmd.closed_by)
 
 
-@svc.command(subjects.SESSIONS_TERMINATE)
+@svc.command(catalog.SESSIONS_TERMINATE)
 async def terminate(cmd: TerminateSession, repo: LogRepository) -> SessionClosedReply:
     async with repo.transaction() as tx:
         session = await tx.lock_session(cmd.session_id)
         return await close_session(tx, session, cmd.reason, None)
 
 
-@svc.command(subjects.SESSIONS_LIST)
+@svc.command(catalog.SESSIONS_LIST)
 async def list_sessions(cmd: ListSessions, repo: LogRepository) -> SessionsReply:
     return SessionsReply(
         sessions=await repo.sessions_of_project(cmd.project_id, cmd.limit, cmd.forked_from)
     )
 
 
-@svc.command(subjects.SESSIONS_GET)
+@svc.command(catalog.SESSIONS_GET)
 async def get_session(cmd: SessionRef, repo: LogRepository) -> SessionView:
     view = await repo.session(cmd.session_id)
     if view is None:

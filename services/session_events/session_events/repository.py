@@ -21,7 +21,7 @@ from contracts.session_events import (
 )
 from domain.log_rules import CausationFacts, ForkFacts, session_not_found
 from servicekit.db import Connection
-from servicekit.outbox import Outbox, OutboxRelay, Queued, with_outbox
+from servicekit.outbox import Outbox, Queued, Wake, with_outbox
 
 EVENT_COLUMNS = (
     "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at, copied_from"
@@ -341,23 +341,23 @@ class LogTransaction:
 class LogRepository:
     """Reads and transactions over the `session_events` schema."""
 
-    def __init__(self, pool: asyncpg.Pool, relay: OutboxRelay | None = None) -> None:
-        """`relay`: the outbox relay of this process, woken once events are committed
-        instead of by a NOTIFY (`servicekit.outbox.with_outbox`)."""
+    def __init__(self, pool: asyncpg.Pool, wake: Wake | None = None) -> None:
+        """`wake`: wakes the outbox relay of this process once events are committed,
+        instead of a NOTIFY (`servicekit.outbox.with_outbox`)."""
         self._pool = pool
-        self._relay = relay
+        self._wake = wake
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[LogTransaction]:
         """One unit of work: everything inside commits together or not at all."""
-        async with with_outbox(self._pool, self._relay) as (conn, outbox):
+        async with with_outbox(self._pool, self._wake) as (conn, outbox):
             yield LogTransaction(conn, outbox)
 
     @asynccontextmanager
     async def autocommit(self) -> AsyncIterator[LogTransaction]:
         """The same statements outside a transaction: each one commits on its own (one
         round trip each, no BEGIN and COMMIT), for work a single statement keeps whole."""
-        async with with_outbox(self._pool, self._relay, transaction=False) as (conn, outbox):
+        async with with_outbox(self._pool, self._wake, transaction=False) as (conn, outbox):
             yield LogTransaction(conn, outbox)
 
     async def heartbeat(self, session_id: UUID) -> datetime | None:
@@ -447,7 +447,7 @@ class LogRepository:
         self, timeout_seconds: float, limit: int = 100
     ) -> AsyncIterator[tuple[LogTransaction, list[SessionState]]]:
         """Open sessions whose heartbeats stopped, locked; another replica skips them."""
-        async with with_outbox(self._pool, self._relay) as (conn, outbox):
+        async with with_outbox(self._pool, self._wake) as (conn, outbox):
             rows = await conn.fetch(
                 """SELECT id, project_id, status, last_seq, now() AS now FROM sessions
                     WHERE status = 'open' AND last_heartbeat_at IS NOT NULL

@@ -12,7 +12,8 @@ from contracts import subjects
 from contracts.session_events import OpenSession, SessionOpenedReply
 from servicekit.client import call
 from servicekit.testing import running_service
-from session_events.app import LogSettings, main
+from session_events.app import main
+from session_events.settings import LogSettings
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -388,7 +388,7 @@ async def test_a_batch_wakes_the_relay_of_its_process_instead_of_notifying(
         await listener.add_listener(notify_channel(schema), lambda *args: heard.append(args[1]))
         running = asyncio.create_task(relay.run())
         await wait_for(lambda: _listening(pool, schema), what="the relay to listen")
-        repo = LogRepository(pool, relay)
+        repo = LogRepository(pool, relay.wake)
         async with repo.transaction() as tx:
             session = await tx.create_session("wake", "user:ana")
 

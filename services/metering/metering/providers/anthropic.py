@@ -7,7 +7,8 @@
   that fails or is cancelled mid-stream is billed from what was seen; its output
   count, which the API sends only at the end, is estimated from the text received
   (`estimate_output_tokens`).
-- Retries: the SDK's own retries are off (`max_retries=0`) so that this loop decides:
+- Retries: the SDK's own retries are off (`max_retries=0`) so that one loop for every
+  provider decides (`base.with_retries`), with this classification (`failure_of`):
   429, 529, `overloaded_error` (also when it arrives as an SSE `error` event in the
   middle of a stream), 5xx and connection failures are retried with backoff,
   honouring `retry-after-ms` / `retry-after`, but only while no text has been handed
@@ -38,10 +39,11 @@ from metering.providers.base import (
     ProviderError,
     ProviderReply,
     ProviderRequest,
+    connection_failed,
     estimate_output_tokens,
-    next_retry_delay,
     retry_after,
     traced,
+    with_retries,
 )
 from servicekit.logs import get_logger
 
@@ -139,6 +141,16 @@ def classify(exc: APIStatusError) -> tuple[str, bool]:
     return ErrorCode.PROVIDER_ERROR, False
 
 
+def failure_of(exc: Exception) -> tuple[ProviderError, bool] | None:
+    """A failed attempt as this provider reads it (`with_retries`)."""
+    if isinstance(exc, APIStatusError):
+        code, retryable = classify(exc)
+        return ProviderError(code, _message_of(exc), retry_after(exc.response.headers)), retryable
+    if isinstance(exc, (APIConnectionError, httpx2.TransportError)):
+        return connection_failed(exc), True
+    return None
+
+
 def _message_of(exc: APIStatusError) -> str:
     body = exc.body
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
@@ -159,7 +171,7 @@ class AnthropicProvider:
         timeout: float = 600.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        # max_retries=0: retries are decided below, where we know whether text went out.
+        # max_retries=0: `with_retries` decides, knowing whether text went out.
         self._client = AsyncAnthropic(
             api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout
         )
@@ -171,29 +183,20 @@ class AnthropicProvider:
         self, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:
         params = build_params(request)
-        attempt = 0
-        while True:
-            try:
-                if on_text is None:
-                    message = await self._client.messages.create(**params)
-                    progress.current = usage_of(message.usage)
-                else:
-                    message = await self._stream(params, progress, on_text)
-                return ProviderReply(
-                    content=_content(message),
-                    stop_reason=message.stop_reason or "end_turn",
-                    model=message.model,
-                )
-            except APIStatusError as exc:
-                code, retryable = classify(exc)
-                error = ProviderError(code, _message_of(exc), retry_after(exc.response.headers))
-            except (APIConnectionError, httpx2.TransportError) as exc:
-                code, retryable = ErrorCode.PROVIDER_ERROR, True
-                error = ProviderError(code, f"connection to the provider failed: {exc!r}")
-            delay = next_retry_delay(error, retryable, progress, attempt, self._max_retries)
-            progress.next_attempt()
-            attempt += 1
-            await self._sleep(delay)
+
+        async def attempt() -> ProviderReply:
+            if on_text is None:
+                message = await self._client.messages.create(**params)
+                progress.current = usage_of(message.usage)
+            else:
+                message = await self._stream(params, progress, on_text)
+            return ProviderReply(
+                content=_content(message),
+                stop_reason=message.stop_reason or "end_turn",
+                model=message.model,
+            )
+
+        return await with_retries(attempt, failure_of, progress, self._max_retries, self._sleep)
 
     async def _stream(
         self, params: dict[str, Any], progress: Progress, on_text: OnText

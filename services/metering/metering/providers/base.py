@@ -19,6 +19,7 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as ge
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
 
+from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TokenUsage, ToolSpec
 from servicekit.logs import get_logger
 from servicekit.telemetry import tracer, tracing_on
@@ -215,6 +216,44 @@ def next_retry_delay(
         raise error
     log.warning("provider_retry", attempt=attempt + 1, code=error.code, delay=round(delay, 3))
     return delay
+
+
+# A failed attempt as its provider reads it: the error to report and whether a retry may
+# cure it; None for a failure that is not the provider's answer (it propagates as it is).
+Classify = Callable[[Exception], tuple[ProviderError, bool] | None]
+
+Answer = TypeVar("Answer")
+
+
+def connection_failed(exc: Exception) -> ProviderError:
+    """The error of an attempt that never reached the provider, or lost it mid-answer."""
+    return ProviderError(ErrorCode.PROVIDER_ERROR, f"connection to the provider failed: {exc!r}")
+
+
+async def with_retries(
+    attempt: Callable[[], Awaitable[Answer]],
+    classify: Classify,
+    progress: Progress,
+    max_retries: int,
+    sleep: Callable[[float], Awaitable[None]],
+) -> Answer:
+    """Run `attempt` until it answers, retrying the failures `classify` calls retryable
+    as `next_retry_delay` allows; what each failed attempt consumed stays in `progress`
+    (it is billed). The SDKs' own retries are off: only this loop knows whether text was
+    handed on, after which a retry would publish it twice."""
+    attempts = 0
+    while True:
+        try:
+            return await attempt()
+        except Exception as exc:
+            failure = classify(exc)
+            if failure is None:
+                raise
+            error, retryable = failure
+        delay = next_retry_delay(error, retryable, progress, attempts, max_retries)
+        progress.next_attempt()
+        attempts += 1
+        await sleep(delay)
 
 
 class Providers:

@@ -13,10 +13,11 @@ LM Studio, or OpenAI itself) through the official `openai` SDK, behind metering 
   short (a cancel, a dropped connection, an error chunk) never hears its usage: input
   is estimated from the prompt's size and output from the text received, so it is
   still billed: the provider charged for what it generated.
-- Retries: the SDK's own are off (`max_retries=0`) so that this loop decides, as the
-  `anthropic` provider does: 429, 5xx, error chunks and connection failures are
-  retried with backoff, honouring `retry-after-ms` / `retry-after`, but only while
-  no text has been handed on — a retry after deltas went out would publish them twice.
+- Retries: the SDK's own are off (`max_retries=0`) so that the loop both providers use
+  decides (`base.with_retries`), with this classification (`failure_of`): 429, 5xx,
+  error chunks and connection failures are retried with backoff, honouring
+  `retry-after-ms` / `retry-after`, but only while no text has been handed on — a
+  retry after deltas went out would publish them twice.
 - `base_url` and `api_key` are the SDK's `OPENAI_BASE_URL` / `OPENAI_API_KEY`; a local
   server needs no key, so one is made up when none is given.
 """
@@ -43,10 +44,11 @@ from metering.providers.base import (
     ProviderError,
     ProviderReply,
     ProviderRequest,
+    connection_failed,
     estimate_output_tokens,
-    next_retry_delay,
     retry_after,
     traced,
+    with_retries,
 )
 from servicekit.logs import get_logger
 
@@ -236,6 +238,21 @@ def classify(exc: APIError) -> tuple[str, bool]:
     return ErrorCode.PROVIDER_ERROR, True
 
 
+def failure_of(exc: Exception) -> tuple[ProviderError, bool] | None:
+    """A failed attempt as this provider reads it (`with_retries`)."""
+    if isinstance(exc, APIStatusError):
+        code, retryable = classify(exc)
+        return ProviderError(code, _message_of(exc), retry_after(exc.response.headers)), retryable
+    if isinstance(exc, APIConnectionError):
+        return connection_failed(exc), True
+    if isinstance(exc, APIError):  # an error chunk mid-stream
+        code, retryable = classify(exc)
+        return ProviderError(code, _message_of(exc)), retryable
+    if isinstance(exc, httpx2.TransportError):
+        return connection_failed(exc), True
+    return None
+
+
 def _message_of(exc: APIError) -> str:
     kind, message = _error_detail(exc.body)
     if message:
@@ -256,7 +273,7 @@ class OpenAICompatibleProvider:
         timeout: float = 600.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        # max_retries=0: retries are decided below, where we know whether text went out.
+        # max_retries=0: `with_retries` decides, knowing whether text went out.
         self._client = AsyncOpenAI(
             api_key=api_key or NO_KEY, base_url=base_url, max_retries=0, timeout=timeout
         )
@@ -268,41 +285,26 @@ class OpenAICompatibleProvider:
         self, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:
         params = build_params(request)
-        attempt = 0
-        while True:
+
+        async def attempt() -> ProviderReply:
+            reply = await self._stream(params, progress, on_text)
             try:
-                reply = await self._stream(params, progress, on_text)
-                try:
-                    content = reply.content()
-                except ValidationError as exc:
-                    # A small model can name a tool that cannot exist; the reply cannot
-                    # be handed to the harness, and retrying would bill it again.
-                    raise ProviderError(
-                        ErrorCode.PROVIDER_ERROR,
-                        f"the model's reply does not fit the harness's blocks: {exc}"[:500],
-                    ) from exc
-                return ProviderReply(
-                    content=content,
-                    stop_reason=STOP_REASONS.get(reply.finish_reason or "", reply.finish_reason)
-                    or "end_turn",
-                    model=request.model,
-                )
-            except APIStatusError as exc:
-                code, retryable = classify(exc)
-                error = ProviderError(code, _message_of(exc), retry_after(exc.response.headers))
-            except APIConnectionError as exc:
-                code, retryable = ErrorCode.PROVIDER_ERROR, True
-                error = ProviderError(code, f"connection to the provider failed: {exc!r}")
-            except APIError as exc:  # an error chunk mid-stream
-                code, retryable = classify(exc)
-                error = ProviderError(code, _message_of(exc))
-            except httpx2.TransportError as exc:
-                code, retryable = ErrorCode.PROVIDER_ERROR, True
-                error = ProviderError(code, f"connection to the provider failed: {exc!r}")
-            delay = next_retry_delay(error, retryable, progress, attempt, self._max_retries)
-            progress.next_attempt()
-            attempt += 1
-            await self._sleep(delay)
+                content = reply.content()
+            except ValidationError as exc:
+                # A small model can name a tool that cannot exist; the reply cannot
+                # be handed to the harness, and retrying would bill it again.
+                raise ProviderError(
+                    ErrorCode.PROVIDER_ERROR,
+                    f"the model's reply does not fit the harness's blocks: {exc}"[:500],
+                ) from exc
+            return ProviderReply(
+                content=content,
+                stop_reason=STOP_REASONS.get(reply.finish_reason or "", reply.finish_reason)
+                or "end_turn",
+                model=request.model,
+            )
+
+        return await with_retries(attempt, failure_of, progress, self._max_retries, self._sleep)
 
     async def _stream(
         self, params: dict[str, Any], progress: Progress, on_text: OnText | None

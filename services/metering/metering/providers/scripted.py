@@ -8,7 +8,7 @@ provider does. Text is emitted word by word at `token_delay_ms`, scheduled from 
 start of the reply so the rate does not drift; words already due when the provider gets
 to them (at a zero delay, all of them) come at once, without waiting in between, as the
 events of one read of a real stream do (metering publishes the first at once and the
-rest of them as one delta: `metering.turns.DeltaPublisher`).
+rest of them as one delta: `metering.publisher.DeltaPublisher`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""Criativo's settings: its knobs beside the kit's (`servicekit.settings`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from servicekit.settings import ServiceSettings
+
+
+class CriativoSettings(ServiceSettings):
+    """Criativo's own knobs (`AGENTBUS_IDLE_SECONDS`, `AGENTBUS_CRASH_LIMIT`, …)."""
+
+    idle_seconds: float = 300.0
+    # Deliveries of one input that fail before the session is terminated abnormally.
+    crash_limit: int = 3
+    max_deliver: int = 8
+    retry_backoff_seconds: list[float] = Field(
+        default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0]
+    )
+    ack_wait_seconds: float = 30.0
+    consumer_batch: int = 32
+    max_tool_iterations: int = 4
+    max_tokens: int = 2048
+    # How long a turn id still running in metering (an earlier delivery's call) is
+    # waited for before it is tried again under a retry id. Past a minute its metering
+    # replica is taken for dead too (when both replicas are killed, the person waits this
+    # long plus the lease's TTL); a live turn that long is answered by its retry, and
+    # billed twice.
+    turn_in_progress_wait_seconds: float = 60.0
+    # An answer stream whose metering replica neither beats nor replies for this long lost
+    # that replica (SIGKILLed mid-turn, before or after the first delta): tried again under
+    # its next retry id rather than waiting out the request's 600 s (harness.client). The
+    # replica is asked to beat every quarter of it; a model that thinks long keeps it beating.
+    stream_silence_seconds: float = 30.0
+    # A stream that no metering replica beat for at all this long after the request (its
+    # replica killed before the first beat) is tried again under its retry id too.
+    stream_unheard_seconds: float = 60.0
+    # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
+    session_budget_micros: int | None = 2_000_000
