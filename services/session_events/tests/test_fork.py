@@ -263,10 +263,14 @@ async def test_bad_forks_get_a_code_and_write_nothing(
 
 
 async def _counts(database_url: str) -> tuple[int, int]:
+    """How many sessions and events the log holds."""
     conn = await asyncpg.connect(database_url)
     try:
-        sessions = await conn.fetchval("SELECT count(*) FROM session_events.sessions")
-        events = await conn.fetchval("SELECT count(*) FROM session_events.events")
+        row = await conn.fetchrow(
+            """SELECT (SELECT count(*) FROM session_events.sessions) AS sessions,
+                      (SELECT count(*) FROM session_events.events) AS events"""
+        )
     finally:
         await conn.close()
-    return sessions, events
+    assert row is not None
+    return row["sessions"], row["events"]
