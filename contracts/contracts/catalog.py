@@ -66,6 +66,7 @@ from contracts.session_events import (
     AppendManyReply,
     CloseSession,
     EventsReply,
+    ForkSession,
     GetEvents,
     HeartbeatReply,
     ListEvents,
@@ -73,6 +74,7 @@ from contracts.session_events import (
     OpenSession,
     QueryEvents,
     SessionClosedReply,
+    SessionForkedReply,
     SessionOpenedReply,
     SessionRef,
     SessionsReply,
@@ -110,6 +112,7 @@ SESSIONS_HEARTBEAT = Command(
 )
 SESSIONS_GET = Command(subjects.SESSIONS_GET, "session_events", SessionRef, SessionView)
 SESSIONS_LIST = Command(subjects.SESSIONS_LIST, "session_events", ListSessions, SessionsReply)
+SESSIONS_FORK = Command(subjects.SESSIONS_FORK, "session_events", ForkSession, SessionForkedReply)
 EVENTS_APPEND = Command(subjects.EVENTS_APPEND, "session_events", AppendEvent, AppendedReply)
 EVENTS_APPEND_MANY = Command(
     subjects.EVENTS_APPEND_MANY, "session_events", AppendMany, AppendManyReply
@@ -152,6 +155,7 @@ COMMANDS: list[Command[Any, Any]] = [
     SESSIONS_HEARTBEAT,
     SESSIONS_GET,
     SESSIONS_LIST,
+    SESSIONS_FORK,
     EVENTS_APPEND,
     EVENTS_APPEND_MANY,
     EVENTS_GET,
@@ -399,6 +403,7 @@ ACCESS = [
             subjects.SESSIONS_HEARTBEAT,
             subjects.SESSIONS_GET,
             subjects.SESSIONS_LIST,
+            subjects.SESSIONS_FORK,
             subjects.EVENTS_APPEND,
             subjects.EVENTS_LIST,
             # confirms the live events it shows, many sessions' at once (provenance)

@@ -146,6 +146,8 @@ class ErrorCode(StrEnum):
     RULE_NOT_FOUND = "rule_not_found"
     # a retraction or correction of a rule already retracted or replaced
     RULE_NOT_STANDING = "rule_not_standing"
+    # a fork's `at_seq` names no event of the parent's conversation
+    FORK_POINT_NOT_FOUND = "fork_point_not_found"
     # handoff (ADR 0182 keeps the Portuguese codes on the wire)
     AGENTE_JA_ATIVO = "agente_ja_ativo"
     HANDOFF_NOT_FOUND = "handoff_not_found"

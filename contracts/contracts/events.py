@@ -55,6 +55,7 @@ class EventType(StrEnum):
     SESSION_OPENED = "session.opened"
     SESSION_CLOSED = "session.closed"
     SESSION_CLOSED_ABNORMALLY = "session.closed_abnormally"
+    SESSION_FORKED = "session.forked"
     CHAT_MESSAGE = "chat.message"
     AGENT_ACTIVATED = "agent.activated"
     AGENT_RESPONSE = "agent.response"
@@ -109,6 +110,16 @@ class SessionClosedAbnormally(Message):
     """A session ended abnormally; `reason` is kept in `sessions.termination_reason`."""
 
     reason: NonBlank
+
+
+class SessionForked(Message):
+    """A branch began: the first event of a session forked from `parent_session_id`,
+    followed by the parent's events up to `at_seq` (copies, each naming its original in
+    `copied_from`) and then the person's new message."""
+
+    parent_session_id: UUID
+    at_seq: Int64 = Field(ge=1)
+    forked_by: Actor
 
 
 # --- conversation ------------------------------------------------------------
@@ -277,6 +288,7 @@ PAYLOADS: dict[EventType, type[Message]] = {
     EventType.SESSION_OPENED: SessionOpened,
     EventType.SESSION_CLOSED: SessionClosed,
     EventType.SESSION_CLOSED_ABNORMALLY: SessionClosedAbnormally,
+    EventType.SESSION_FORKED: SessionForked,
     EventType.CHAT_MESSAGE: ChatMessage,
     EventType.AGENT_ACTIVATED: AgentActivated,
     EventType.AGENT_RESPONSE: AgentResponse,
@@ -299,6 +311,19 @@ PAYLOADS: dict[EventType, type[Message]] = {
 }
 
 
+# The payload fields that name other events. A branch's copy of an
+# event names the copies, not the parent's originals, so a rule's origin or a brief's
+# rules stay inside the conversation that holds them (a handoff or a hypothesis id names
+# a row of its service, not an event, and is kept).
+EVENT_REFERENCES: dict[EventType, tuple[str, ...]] = {
+    EventType.ARTIFACT_BUSINESS_RULE: ("origin", "replaces"),
+    EventType.ARTIFACT_BUSINESS_RULE_RETRACTED: ("rule_id",),
+    EventType.ARTIFACT_PRODUCT_BRIEF: ("business_rule_ids",),
+    EventType.HANDOFF_OFFERED: ("artifact_id",),
+    EventType.HYPOTHESIS_PROPOSED: ("evidence_event_ids",),
+}
+
+
 class Event(Message):
     """A committed event of the log, as stored, read back and published on JetStream."""
 
@@ -311,3 +336,5 @@ class Event(Message):
     payload: dict[str, Any]
     causation_id: UUID | None = None
     created_at: datetime
+    # In a branch's prefix: the parent's event this one copies (`session.forked`).
+    copied_from: UUID | None = None

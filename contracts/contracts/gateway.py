@@ -13,7 +13,7 @@ from uuid import UUID
 
 from pydantic import Field, StringConstraints
 
-from contracts.common import TEXT_CHECK, AgentSlug, Int64, Message, Text
+from contracts.common import TEXT_CHECK, AgentSlug, Int64, Key, Message, Text
 from contracts.events import Event, NonBlank, Utterance
 from contracts.metering import TurnId
 
@@ -194,6 +194,17 @@ class WsTicket(Message):
     expires_in: int
 
 
+class ForkRequest(Message):
+    """`POST /api/projects/{project}/sessions/{session}/fork`: a branch of the session
+    that keeps its events up to `at_seq` and continues with `text` (Edit: the edited
+    message; Retry: the message the answer replied to, again). `fork_id`, chosen by the
+    client, makes a repeated click or request answer the same branch."""
+
+    at_seq: Int64 = Field(ge=1)
+    text: Utterance
+    fork_id: Key
+
+
 class SessionSummary(Message):
     """A session of the project as the sessions list shows it."""
 
@@ -207,6 +218,9 @@ class SessionSummary(Message):
     title: str | None = None
     # When its latest event was appended: its last activity.
     last_event_at: datetime
+    # A branch: the session it was forked from, and the parent's last event it keeps.
+    parent_session_id: UUID | None = None
+    forked_at_seq: int | None = None
 
 
 class SessionsReply(Message):

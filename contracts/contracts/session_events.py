@@ -18,7 +18,7 @@ from contracts.common import (
     Message,
     ProjectId,
 )
-from contracts.events import Event
+from contracts.events import Event, Utterance
 
 # Size of one event payload, serialised. Larger artifacts belong in a blob store;
 # the log keeps what a person or a model reads.
@@ -49,6 +49,32 @@ class SessionOpenedReply(Message):
 
     session_id: UUID
     event_id: UUID
+
+
+class ForkSession(Message):
+    """`cmd.sessions.fork`: open a branch of a session at one of its events, with a new
+    message of the person's (Edit: the edited text; Retry: the same text again). The
+    branch's log is `session.forked`, copies of the parent's events up to `at_seq`, then
+    `text` as a `chat.message`; the parent is left as it is. A repeat with the same
+    `fork_id` answers the branch it made (`duplicate`)."""
+
+    session_id: UUID = Field(description="the parent session")
+    project_id: ProjectId
+    at_seq: Int64 = Field(ge=1, description="the parent's last event the branch keeps")
+    text: Utterance
+    forked_by: Actor
+    fork_id: Key
+
+
+class SessionForkedReply(Message):
+    """The branch: its session, its first event and the person's new message in it."""
+
+    session_id: UUID
+    parent_session_id: UUID
+    at_seq: int
+    forked_event_id: UUID
+    message_event_id: UUID
+    duplicate: bool = False
 
 
 class AppendEnvelope(Message):
@@ -175,6 +201,8 @@ class ListSessions(Message):
 
     project_id: ProjectId
     limit: Int64 = Field(default=200, ge=1, le=1000)
+    # Only the branches forked from this session (`cmd.sessions.fork`).
+    forked_from: UUID | None = None
 
 
 class SessionView(Message):
@@ -189,6 +217,9 @@ class SessionView(Message):
     closed_at: datetime | None
     last_heartbeat_at: datetime | None
     event_count: int
+    # A branch: the session it was forked from and the parent's last event it keeps.
+    parent_session_id: UUID | None = None
+    forked_at_seq: int | None = None
 
 
 class ListedSession(SessionView):

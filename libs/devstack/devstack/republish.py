@@ -32,7 +32,9 @@ from servicekit.db import create_pool
 # a service, so its name is written here, beside the one query that uses it.
 LOG_SCHEMA = "session_events"
 PAGE = 500
-COLUMNS = "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at"
+COLUMNS = (
+    "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at, copied_from"
+)
 
 
 @dataclass
@@ -54,6 +56,7 @@ def _event(row: asyncpg.Record) -> Event:
         payload=row["payload"],
         causation_id=row["causation_id"],
         created_at=row["created_at"],
+        copied_from=row["copied_from"],
     )
 
 

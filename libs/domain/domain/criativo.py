@@ -18,7 +18,9 @@ Invariants kept here, so no prompt has to keep them:
 - a session's inputs are handled one at a time in `seq` order, none dropped, each
   at most once (`admit`);
 - an input is acted on only as the log holds it (`Conversation.inputs` keeps the
-  log's copies; the bus's copy is compared with them before anything is done).
+  log's copies; the bus's copy is compared with them before anything is done);
+- a branch's history (the parent's events it copies, `copied_from`) is read, never acted
+  on again: the parent already answered it, or is answering it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Utterance:
     event_id: UUID
     seq: int
     text: str
+    # Copied from the parent into a branch: history, never answered in the branch.
+    copied: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ class Conversation:
         for u in self.said:
             if u.seq > seq:
                 break
-            if u.event_id in self.outcomes:
+            if u.event_id in self.outcomes or u.copied:
                 tail = []
             else:
                 tail.append(u.event_id)
@@ -168,7 +172,12 @@ def apply(conv: Conversation, event: Event) -> Conversation:
     if kind in INPUTS:
         conv = replace(conv, inputs={**conv.inputs, event.id: event})
     if kind is EventType.CHAT_MESSAGE:
-        said = Utterance(event.id, event.seq, str(event.payload.get("text", "")))
+        said = Utterance(
+            event.id,
+            event.seq,
+            str(event.payload.get("text", "")),
+            copied=event.copied_from is not None,
+        )
         return replace(conv, said=(*conv.said, said))
     if kind in (EventType.AGENT_RESPONSE, EventType.AGENT_ERROR):
         cause = event.causation_id
@@ -405,6 +414,9 @@ class Action(Enum):
 
 def decide(conv: Conversation, event_type: EventType, event_id: UUID) -> Action:
     """The action for an input of the log, given the conversation caught up past it."""
+    logged = conv.inputs.get(event_id)
+    if logged is not None and logged.copied_from is not None:
+        return Action.NOTHING  # a branch's history: acted on in its parent
     if event_type is EventType.CHAT_MESSAGE:
         if event_id in conv.answered:
             return Action.ALREADY_ANSWERED

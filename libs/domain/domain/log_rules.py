@@ -12,11 +12,14 @@ Invariants kept here, so no prompt has to keep them:
   (`artifact.business_rule_retracted`) or a correction (an `artifact.business_rule`
   with `replaces`) is written by a person, names a rule of the same project, and
   retires a rule at most once (`check_retirement`).
+- a branch (`cmd.sessions.fork`) is a person's, within the parent's project, from an
+  event of the parent's conversation (before any closing), and its copies keep their
+  causes and references inside the branch (`check_fork`, `copy_prefix`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -25,7 +28,7 @@ from uuid import UUID
 from pydantic import ValidationError
 
 from contracts.common import ErrorCode, Message
-from contracts.events import PAYLOADS, Event, EventType
+from contracts.events import EVENT_REFERENCES, PAYLOADS, Event, EventType
 from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES
 from domain.errors import DomainError
 
@@ -275,3 +278,112 @@ def retirements(events: Iterable[Event]) -> dict[UUID, Event]:
         if rule_id is not None:
             retired.setdefault(rule_id, event)
     return retired
+
+
+# --- branches (`cmd.sessions.fork`) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForkFacts:
+    """The parent session of a fork, as the log found it (locked)."""
+
+    session_id: UUID
+    project_id: str
+    last_seq: int
+    # The seq of its closing event, when it is closed.
+    closing_seq: int | None
+
+
+def check_fork(
+    parent: ForkFacts | None, session_id: UUID, project_id: str, actor: str, at_seq: int
+) -> ForkFacts:
+    """The parent, when the fork is allowed; otherwise a refusal, and nothing is written.
+
+    A branch starts a new conversation with a person's message, so only a person forks,
+    as only a person writes `chat.message`. The parent is any session of the project,
+    open or closed (a session the reaper closed is the commonest one to go back to), but
+    the fork point is an event of its conversation: the closing and what the log records
+    after it (the psychologist's analysis, handoff facts) would make the branch closed
+    or analysed before it began."""
+    author = AUTHORS[EventType.CHAT_MESSAGE]
+    if not _may_write(actor, author):
+        raise DomainError(
+            ErrorCode.ACTOR_NOT_ALLOWED,
+            f"a session is forked only by a person ({author}), not {actor}",
+            actor=actor,
+        )
+    if parent is None:
+        raise session_not_found(session_id)
+    if parent.project_id != project_id:
+        raise DomainError(
+            ErrorCode.SESSION_NOT_IN_PROJECT,
+            f"session {session_id} is not a session of project {project_id}",
+            session_id=str(session_id),
+            project_id=project_id,
+        )
+    last = parent.last_seq if parent.closing_seq is None else parent.closing_seq - 1
+    if not 1 <= at_seq <= last:
+        raise DomainError(
+            ErrorCode.FORK_POINT_NOT_FOUND,
+            f"session {session_id} has no event {at_seq} to fork at; its conversation is "
+            f"events 1 to {last}",
+            session_id=str(session_id),
+            at_seq=at_seq,
+            last_seq=last,
+        )
+    return parent
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One event of a branch's prefix: the parent's event under a new id, with its cause
+    and the events its payload names moved to their copies."""
+
+    id: UUID
+    type: EventType
+    actor: str
+    payload: dict[str, Any]
+    causation_id: UUID | None
+    copied_from: UUID
+
+
+def copy_prefix(originals: Sequence[Event], new_ids: Iterator[UUID]) -> list[Copy]:
+    """The copies of `originals` (the parent's events up to the fork point, in `seq`
+    order), each taking the next id of `new_ids`.
+
+    A cause or reference to an event of the prefix names its copy, so the branch's
+    answers are caused by the branch's messages (Criativo reads them as answered) and a
+    rule's origin cites the branch's own messages. One outside the prefix is kept."""
+    copied: dict[UUID, UUID] = {}
+    copies: list[Copy] = []
+    for event in originals:
+        new_id = next(new_ids)
+        copied[event.id] = new_id
+        payload = dict(event.payload)
+        for name in EVENT_REFERENCES.get(event.type, ()):
+            payload[name] = _moved(payload.get(name), copied)
+        cause = event.causation_id
+        copies.append(
+            Copy(
+                id=new_id,
+                type=event.type,
+                actor=event.actor,
+                payload=payload,
+                causation_id=copied.get(cause, cause) if cause is not None else None,
+                copied_from=event.id,
+            )
+        )
+    return copies
+
+
+def _moved(value: Any, copied: dict[UUID, UUID]) -> Any:
+    """An event id (or a list of them, as JSON text) moved to its copy, if it has one."""
+    if isinstance(value, list):
+        return [_moved(v, copied) for v in value]
+    if isinstance(value, str):
+        try:
+            original = UUID(value)
+        except ValueError:
+            return value
+        return str(copied.get(original, original))
+    return value

@@ -324,6 +324,30 @@ def test_pending_before(log: list[Event], seq: int, pending: list[UUID]) -> None
     assert rebuild(SESSION, log).pending_before(seq) == pending
 
 
+def copied(event: Event) -> Event:
+    """`event` as a branch holds it: a copy of its parent's (`session.forked`)."""
+    return event.model_copy(update={"copied_from": FOREIGN})
+
+
+# A branch of a session whose second message (M2, unanswered) and a readiness with its
+# brief are copied history, then the person's new message M3.
+BRANCH = rebuild(
+    SESSION,
+    [
+        *(copied(e) for e in LOG),
+        copied(ev(6, READY, EventType.CRIATIVO_READINESS_CONFIRMED)),
+        copied(ev(7, BRIEF, EventType.ARTIFACT_PRODUCT_BRIEF, {}, READY, "agent:criativo")),
+        ev(8, M3, EventType.CHAT_MESSAGE, {"text": "a café instead"}),
+    ],
+)
+
+
+def test_a_branch_answers_only_its_own_message() -> None:
+    assert BRANCH.criativo_active  # the parent's activation, copied, carries over
+    assert BRANCH.pending_before(4) == []  # the copied M2 is history
+    assert BRANCH.pending_before(8) == [M3]
+
+
 ACTIVE = rebuild(SESSION, LOG)
 INACTIVE = rebuild(SESSION, LOG[1:])
 CLOSED = apply(ACTIVE, ev(9, FOREIGN, EventType.SESSION_CLOSED, {}))
@@ -354,6 +378,10 @@ WITH_BRIEF = rebuild(
         (WITH_BRIEF, EventType.CRIATIVO_READINESS_CONFIRMED, READY, Action.OFFER_EXISTING_BRIEF),
         (CLOSED, EventType.CRIATIVO_READINESS_CONFIRMED, READY, Action.SESSION_CLOSED),
         (ACTIVE, EventType.AGENT_ACTIVATED, ACT, Action.NOTHING),
+        # a branch's copies were acted on in its parent: not answered, no brief offered
+        (BRANCH, EventType.CHAT_MESSAGE, M2, Action.NOTHING),
+        (BRANCH, EventType.CRIATIVO_READINESS_CONFIRMED, READY, Action.NOTHING),
+        (BRANCH, EventType.CHAT_MESSAGE, M3, Action.ANSWER_WITH_CRIATIVO),
     ],
 )
 def test_decide(conv: Conversation, kind: EventType, event_id: UUID, action: Action) -> None:

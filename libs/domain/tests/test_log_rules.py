@@ -131,6 +131,7 @@ def test_the_log_writes_its_own_lifecycle_types() -> None:
         EventType.SESSION_OPENED,
         EventType.SESSION_CLOSED,
         EventType.SESSION_CLOSED_ABNORMALLY,
+        EventType.SESSION_FORKED,
     }
 
 
@@ -183,6 +184,7 @@ VALID_PAYLOADS: dict[EventType, dict[str, Any]] = {
     EventType.SESSION_OPENED: {"opened_by": "user:ana"},
     EventType.SESSION_CLOSED: {"closed_by": "user:ana"},
     EventType.SESSION_CLOSED_ABNORMALLY: {"reason": "heartbeat_timeout"},
+    EventType.SESSION_FORKED: {"parent_session_id": ID_1, "at_seq": 3, "forked_by": "user:ana"},
     EventType.CHAT_MESSAGE: {"text": "Quero um app de receitas", "client_msg_id": "c-1"},
     EventType.AGENT_ACTIVATED: {"agent": "criativo", "via": "user"},
     EventType.AGENT_RESPONSE: {"agent": "criativo", "text": "Para quem?", "usage": USAGE},
@@ -273,6 +275,8 @@ INVALID_PAYLOADS = [
             "string_pattern_mismatch"),
     Invalid("closed-abnormally-blank-reason", T.SESSION_CLOSED_ABNORMALLY, {"reason": "   "},
             ("reason",), "string_too_short"),
+    Invalid("forked-at-zero", T.SESSION_FORKED, _with(T.SESSION_FORKED, at_seq=0), ("at_seq",),
+            "greater_than_equal"),
     Invalid("chat-empty", T.CHAT_MESSAGE, {"text": ""}, ("text",), "string_too_short"),
     Invalid("chat-too-long", T.CHAT_MESSAGE, {"text": "x" * 20_001}, ("text",),
             "string_too_long"),

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts import catalog
 from contracts.common import ErrorBody, ErrorCode, ErrorReply
-from contracts.gateway import ClientConfig
+from contracts.gateway import ClientConfig, ForkRequest
 from contracts.handoff import ListHandoffs
 from contracts.metering import (
     LimitsStatusRequest,
@@ -32,7 +32,7 @@ from contracts.psychologist import (
     ListHypotheses,
     Reanalyze,
 )
-from contracts.session_events import EventsReply, ListEvents
+from contracts.session_events import EventsReply, ForkSession, ListEvents, ListSessions
 from domain.errors import DomainError
 from gateway.access import own_session
 from gateway.auth import Principal, require_project, verify
@@ -65,6 +65,7 @@ UNPROCESSABLE = {
     # a model named in the request body that has no price: a refused value, not a path
     ErrorCode.UNKNOWN_MODEL,
     ErrorCode.UNKNOWN_EVENT_TYPE,
+    ErrorCode.FORK_POINT_NOT_FOUND,
 }
 FIXED = {
     ErrorCode.UNAUTHORIZED: 401,
@@ -251,6 +252,17 @@ def _parse(model: type[M], data: dict[str, Any]) -> M:
         raise DomainError(ErrorCode.INVALID_REQUEST, f"invalid request: {problems}") from None
 
 
+async def _body(request: Request) -> dict[str, Any]:
+    """The request's JSON object body, or `malformed_json`."""
+    try:
+        data = await request.json()
+    except ValueError:
+        raise DomainError(ErrorCode.MALFORMED_JSON, "the body is not JSON") from None
+    if not isinstance(data, dict):
+        raise DomainError(ErrorCode.MALFORMED_JSON, "the body must be a JSON object")
+    return data
+
+
 def routes(hub: Hub) -> list[Route]:
     """The API's routes, each a few lines over one command."""
     c, session_log = hub.commands, hub.session_log
@@ -280,6 +292,28 @@ def routes(hub: Hub) -> list[Route]:
         query = _parse(ListEvents, {"session_id": session_id, **params})
         page = await session_log.page(session_id, query.after_seq, query.limit)
         return EventsReply(events=page)
+
+    async def fork(r: Request, p: Principal) -> BaseModel:
+        session_id = _uuid(r, "session")
+        await own_session(session_log, p, session_id)
+        body = _parse(ForkRequest, await _body(r))
+        request = ForkSession(
+            session_id=session_id,
+            project_id=p.project_id,
+            at_seq=body.at_seq,
+            text=body.text,
+            forked_by=p.actor,
+            fork_id=body.fork_id,
+        )
+        return await c(catalog.SESSIONS_FORK, request)
+
+    async def branches(r: Request, p: Principal) -> BaseModel:
+        session_id = _uuid(r, "session")
+        await own_session(session_log, p, session_id)
+        listed = await c(
+            catalog.SESSIONS_LIST, ListSessions(project_id=p.project_id, forked_from=session_id)
+        )
+        return sessions_of(listed.sessions)
 
     async def handoffs(r: Request, p: Principal) -> BaseModel:
         session = r.query_params.get("session_id")
@@ -355,6 +389,8 @@ def routes(hub: Hub) -> list[Route]:
         route("/sessions/{session}", get_session),
         route("/sessions/{session}/events", session_events),
         route("/sessions/{session}/reanalyze", reanalyze, "POST"),
+        route("/sessions/{session}/fork", fork, "POST", 201),
+        route("/sessions/{session}/branches", branches),
         route("/handoffs", handoffs),
         route("/insights", insights),
         route("/hypotheses/{hypothesis}/{decision:str}", decide, "POST"),

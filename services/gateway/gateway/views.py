@@ -19,6 +19,8 @@ def sessions_of(sessions: list[ListedSession]) -> SessionsReply:
                 reason=s.termination_reason,
                 title=s.title,
                 last_event_at=s.last_event_at,
+                parent_session_id=s.parent_session_id,
+                forked_at_seq=s.forked_at_seq,
             )
             for s in sessions
         ]

@@ -9,8 +9,10 @@
 // Answers, rules and the brief are markdown rendered safely (common.js `markdown`); the chat
 // follows new text only while the reader is at its end, and says who is writing. Each brief
 // says its version and whether a later one replaced it, and leaves the page as markdown
-// (copied, or downloaded as a file).
-import { el, header, longTime, markdown, params, project, shortTime, timeEl, token, tokenExpired } from "/common.js";
+// (copied, or downloaded as a file). "Edit" on a message and "Retry" on an answer open a
+// branch (a new session forked just before that message) and go to it; the branch
+// switcher links a session to its parent and its branches.
+import { api, el, header, longTime, markdown, params, project, shortTime, timeEl, token, tokenExpired } from "/common.js";
 import { Connection, Refused } from "/connection.js";
 
 const sessionId = params.get("id");
@@ -22,6 +24,7 @@ const startButton = document.getElementById("start-criativo");
 const PENDING_KEY = `agentbus.pending.${sessionId}`;
 let lastSeq = 0;
 const kinds = new Map(); // event id -> type, for what a delta's `message_id` points at
+const said = new Map(); // a person's message id -> { seq, text }: what Edit and Retry fork from
 const answered = new Set(); // causes whose outcome arrived: no delta of theirs is shown
 const streaming = new Map(); // cause id -> { node, body, turns: Map<turn_id, Map<seq, text>> }
 let lastTurn = null; // the turn that streamed last: what Stop stops
@@ -202,7 +205,8 @@ function onContent(e) {
   switch (e.type) {
     case "chat.message":
       if (p.client_msg_id) settlePending(p.client_msg_id);
-      bubble("user", p.text, e);
+      said.set(e.id, { seq: e.seq, text: p.text });
+      editable(bubble("user", p.text, e), e.id);
       title(p.text);
       awaitOutcome(e.id);
       break;
@@ -233,6 +237,7 @@ function onContent(e) {
         node.append(el("span", { class: "stopped-note" }, " (stopped)"));
       }
       if (!p.text && !p.stopped) node.remove();
+      else retriable(node, e.causation_id);
       follow();
       break;
     }
@@ -384,6 +389,82 @@ function ruleRefused(ruleId, f) {
   card.querySelectorAll(".rule-form button").forEach((b) => { b.disabled = false; });
   card.querySelector(".rule-said").textContent = RULE_REFUSALS[f.code] || `Not changed: ${f.message}`;
 }
+
+// --- branches: Edit and Retry fork the session; the switcher goes between them -------
+
+// A branch keeps the log up to `atSeq` and continues with `text`; the page goes there.
+// One fork id per click: a request repeated by the network makes one branch.
+async function fork(atSeq, text, button) {
+  button.disabled = true;
+  try {
+    const body = JSON.stringify({ at_seq: atSeq, text, fork_id: crypto.randomUUID() });
+    const branch = await api(`/sessions/${sessionId}/fork`, { method: "POST", body });
+    location.href = `/session.html?id=${branch.session_id}`;
+  } catch (err) {
+    problem.textContent = String(err.message || err);
+    button.disabled = false;
+  }
+}
+
+// Beside a person's message: "Edit" opens a box with its text; sending it makes a
+// branch just before the message, with the edited text in its place.
+function editable(node, messageId) {
+  const edit = el("button", { type: "button", class: "edit" }, "Edit");
+  const actions = el("div", { class: "msg-actions" }, edit);
+  node.after(actions);
+  edit.onclick = () => {
+    const { seq, text } = said.get(messageId);
+    const box = el("textarea", { rows: "2", "aria-label": "Edited message" });
+    box.value = text;
+    const send = el("button", { type: "submit" }, "Send in a new branch");
+    const cancel = el("button", { type: "button" }, "Cancel");
+    const form = el("form", { class: "edit-form" }, box, " ", send, " ", cancel);
+    form.onsubmit = (ev) => {
+      ev.preventDefault();
+      if (box.value.trim()) fork(seq - 1, box.value, send);
+    };
+    cancel.onclick = () => { form.remove(); edit.hidden = false; };
+    edit.hidden = true;
+    actions.append(form);
+    box.focus();
+  };
+}
+
+// Beside an answer: "Retry" makes a branch just before the message it answered, with
+// the same text, so it is answered afresh.
+function retriable(node, messageId) {
+  const asked = said.get(messageId);
+  if (!asked) return;
+  const retry = el("button", { type: "button", class: "retry" }, "Retry");
+  retry.onclick = () => fork(asked.seq - 1, asked.text, retry);
+  node.after(el("div", { class: "msg-actions" }, retry));
+}
+
+function sessionLink(s, label) {
+  return el("a", { href: `/session.html?id=${s}` }, label);
+}
+
+// The parent this session was forked from, and the branches forked from it.
+async function showBranches() {
+  const nav = document.getElementById("branches");
+  const [view, listed] = await Promise.all([
+    api(`/sessions/${sessionId}`),
+    api(`/sessions/${sessionId}/branches`),
+  ]);
+  if (view.parent_session_id) {
+    nav.append(el("p", { class: "parent" }, "Branch of ",
+      sessionLink(view.parent_session_id, `session ${view.parent_session_id.slice(0, 8)}`),
+      ` (after event #${view.forked_at_seq})`));
+  }
+  if (listed.sessions.length) {
+    const items = listed.sessions.map((b) => el("li", {},
+      sessionLink(b.session_id, b.title || b.session_id.slice(0, 8)),
+      ` · after event #${b.forked_at_seq}`));
+    nav.append(el("p", {}, "Branches:"), el("ul", { class: "branch-list" }, ...items));
+  }
+  nav.hidden = !nav.childElementCount;
+}
+showBranches().catch((err) => { problem.textContent = String(err.message || err); });
 
 // --- the briefs: each a version, the last one current -------------------------------
 

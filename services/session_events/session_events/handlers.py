@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
+from uuid import uuid4
 
 from contracts import catalog
 from contracts.common import ErrorBody, ErrorCode
 from contracts.events import (
+    ChatMessage,
     EventType,
     SessionClosed,
     SessionClosedAbnormally,
+    SessionForked,
     SessionOpened,
 )
 from contracts.session_events import (
@@ -20,6 +24,7 @@ from contracts.session_events import (
     AppendOutcome,
     CloseSession,
     EventsReply,
+    ForkSession,
     GetEvents,
     HeartbeatReply,
     ListEvents,
@@ -27,6 +32,7 @@ from contracts.session_events import (
     OpenSession,
     QueryEvents,
     SessionClosedReply,
+    SessionForkedReply,
     SessionOpenedReply,
     SessionRef,
     SessionsReply,
@@ -39,7 +45,15 @@ from servicekit.endpoint import error_body
 from servicekit.service import Service
 from servicekit.telemetry import inject_headers
 from session_events.group_commit import GroupCommit, Pending
-from session_events.repository import LogRepository, LogTransaction, SessionState
+from session_events.repository import (
+    BranchOf,
+    ExistingBranch,
+    LogRepository,
+    LogTransaction,
+    NewEvent,
+    SessionState,
+    next_event,
+)
 
 SERVICE = "session_events"
 VERSION = "0.1.0"
@@ -85,6 +99,80 @@ async def open_session(cmd: OpenSession, repo: LogRepository) -> SessionOpenedRe
         payload = SessionOpened(opened_by=cmd.opened_by).model_dump(mode="json")
         event = await tx.append(session, EventType.SESSION_OPENED, cmd.opened_by, payload)
     return SessionOpenedReply(session_id=session.id, event_id=event.id)
+
+
+@svc.command(catalog.SESSIONS_FORK)
+async def fork(cmd: ForkSession, repo: LogRepository) -> SessionForkedReply:
+    """A branch in one transaction: the new session, `session.forked`, the parent's
+    events up to `at_seq` copied, and the person's message, all through the outbox.
+
+    The parent stays locked until the branch commits, so its prefix is read as it stands
+    and a repeat with the same fork id waits, then finds the branch and answers it. The
+    rules are checked first, so a repeat is answered only to whom the fork is allowed."""
+    async with repo.transaction() as tx:
+        parent = await tx.fork_facts(cmd.session_id)
+        log_rules.check_fork(parent, cmd.session_id, cmd.project_id, cmd.forked_by, cmd.at_seq)
+        earlier = await tx.branch(cmd.session_id, cmd.fork_id)
+        if earlier is not None:
+            return _repeated_fork(cmd, earlier)
+        originals = await tx.events_up_to(cmd.session_id, cmd.at_seq)
+        branch = await tx.create_session(
+            cmd.project_id, cmd.forked_by, BranchOf(cmd.session_id, cmd.at_seq, cmd.fork_id)
+        )
+        forked = SessionForked(
+            parent_session_id=cmd.session_id, at_seq=cmd.at_seq, forked_by=cmd.forked_by
+        )
+        new = [next_event(branch, EventType.SESSION_FORKED, cmd.forked_by, _dumped(forked))]
+        for copy in log_rules.copy_prefix(originals, iter(uuid4, None)):
+            branch.last_seq = new[-1].seq
+            new.append(
+                next_event(
+                    branch,
+                    copy.type,
+                    copy.actor,
+                    copy.payload,
+                    copy.causation_id,
+                    event_id=copy.id,
+                    copied_from=copy.copied_from,
+                )
+            )
+        branch.last_seq = new[-1].seq
+        message = ChatMessage(text=cmd.text)
+        new.append(next_event(branch, EventType.CHAT_MESSAGE, cmd.forked_by, _dumped(message)))
+        await tx.write([NewEvent(e) for e in new])
+    return SessionForkedReply(
+        session_id=branch.id,
+        parent_session_id=cmd.session_id,
+        at_seq=cmd.at_seq,
+        forked_event_id=new[0].id,
+        message_event_id=new[-1].id,
+    )
+
+
+def _dumped(payload: SessionForked | ChatMessage) -> dict[str, Any]:
+    return payload.model_dump(mode="json")
+
+
+def _repeated_fork(cmd: ForkSession, earlier: ExistingBranch) -> SessionForkedReply:
+    """The branch an earlier request with this fork id made; refused when this request
+    asks for another fork point or another message."""
+    if (earlier.at_seq, earlier.text) != (cmd.at_seq, cmd.text):
+        raise DomainError(
+            ErrorCode.IDEMPOTENCY_CONFLICT,
+            f"fork id {cmd.fork_id!r} already made branch {earlier.session_id} of session "
+            f"{cmd.session_id} at event {earlier.at_seq} with another message; use a new fork "
+            "id for another branch",
+            fork_id=cmd.fork_id,
+            session_id=str(earlier.session_id),
+        )
+    return SessionForkedReply(
+        session_id=earlier.session_id,
+        parent_session_id=cmd.session_id,
+        at_seq=earlier.at_seq,
+        forked_event_id=earlier.forked_event_id,
+        message_event_id=earlier.message_event_id,
+        duplicate=True,
+    )
 
 
 def pending_append(cmd: AppendEvent, trace: Mapping[str, str] | None = None) -> Pending:
@@ -185,7 +273,9 @@ async def terminate(cmd: TerminateSession, repo: LogRepository) -> SessionClosed
 
 @svc.command(catalog.SESSIONS_LIST)
 async def list_sessions(cmd: ListSessions, repo: LogRepository) -> SessionsReply:
-    return SessionsReply(sessions=await repo.sessions_of_project(cmd.project_id, cmd.limit))
+    return SessionsReply(
+        sessions=await repo.sessions_of_project(cmd.project_id, cmd.limit, cmd.forked_from)
+    )
 
 
 @svc.command(catalog.SESSIONS_GET)

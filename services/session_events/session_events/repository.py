@@ -12,22 +12,25 @@ from uuid import UUID, uuid4
 import asyncpg
 
 from contracts import subjects
-from contracts.events import Event, EventType
+from contracts.events import SESSION_CLOSINGS, Event, EventType
 from contracts.session_events import (
     TITLE_MAX_CHARS,
     TITLE_SEARCH_EVENTS,
     ListedSession,
     SessionView,
 )
-from domain.log_rules import CausationFacts, RuleFacts, session_not_found
+from domain.log_rules import CausationFacts, ForkFacts, RuleFacts, session_not_found
 from servicekit.db import Connection
 from servicekit.outbox import Outbox, Queued, Wake, with_outbox
 
-EVENT_COLUMNS = "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at"
+EVENT_COLUMNS = (
+    "id, session_id, project_id, seq, type, actor, payload, causation_id, created_at, copied_from"
+)
 _EVENT_FIELDS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))
 SESSION_COLUMNS = (
     "id AS session_id, project_id, opened_by, status, termination_reason, "
-    "opened_at, closed_at, last_heartbeat_at, last_seq AS event_count"
+    "opened_at, closed_at, last_heartbeat_at, last_seq AS event_count, "
+    "parent_session_id, forked_at_seq"
 )
 
 
@@ -66,7 +69,7 @@ class BatchFacts:
     rules: dict[UUID, RuleFacts] = field(default_factory=dict)
 
 
-# The index that lets a rule be retired once (migration 0003): a write that breaks it
+# The index that lets a rule be retired once (migration 0004): a write that breaks it
 # lost a race with another session's retraction of the same rule.
 RETIRED_RULE_INDEX = "events_retired_rule_idx"
 
@@ -85,13 +88,16 @@ def next_event(
     actor: str,
     payload: dict[str, Any],
     causation_id: UUID | None = None,
+    *,
+    event_id: UUID | None = None,
+    copied_from: UUID | None = None,
 ) -> Event:
     """The event that takes the session's next seq (the caller advances `last_seq`)."""
     # Built, not validated: every field is already valid (the append's request was, the
     # session row was when it was opened, the seq follows it), and validating the Event
     # again cost each append as much as the request's own validation.
     return Event.model_construct(
-        id=uuid4(),
+        id=event_id or uuid4(),
         session_id=session.id,
         project_id=session.project_id,
         seq=session.last_seq + 1,
@@ -100,11 +106,33 @@ def next_event(
         payload=payload,
         causation_id=causation_id,
         created_at=session.now,
+        copied_from=copied_from,
     )
 
 
 def _event(row: asyncpg.Record) -> Event:
     return Event.model_validate({k: row[k] for k in _EVENT_FIELDS})
+
+
+@dataclass(frozen=True)
+class BranchOf:
+    """Where a branch comes from: its parent, the parent's last event it keeps, and the
+    client's fork id."""
+
+    parent: UUID
+    at_seq: int
+    fork_id: str
+
+
+@dataclass(frozen=True)
+class ExistingBranch:
+    """A branch an earlier fork request made, as a repeat of it is answered."""
+
+    session_id: UUID
+    at_seq: int
+    forked_event_id: UUID
+    message_event_id: UUID
+    text: str
 
 
 class LogTransaction:
@@ -163,7 +191,8 @@ class LogTransaction:
                                                 ELSE w.payload->>'replaces' END) = r.id::text
                                            AND (w.type = 'artifact.business_rule_retracted'
                                                 OR (w.type = 'artifact.business_rule'
-                                                    AND w.payload->>'replaces' IS NOT NULL))))
+                                                    AND w.payload->>'replaces' IS NOT NULL))
+                                         ORDER BY w.copied_from IS NOT NULL LIMIT 1))
                               FROM events r WHERE r.id = ANY($5::uuid[])) AS rules""",
             list(set(session_ids)),
             [s for s, _ in pairs],
@@ -228,18 +257,18 @@ class LogTransaction:
                          WHERE s.id = b.id AND s.last_seq = b.read_seq
                      RETURNING s.id),
                event AS (
-                  INSERT INTO events (id, session_id, project_id, seq, type, actor,
-                                      payload, causation_id, idempotency_key, created_at)
+                  INSERT INTO events (id, session_id, project_id, seq, type, actor, payload,
+                                      causation_id, idempotency_key, created_at, copied_from)
                   SELECT id, session_id, project_id, seq, type, actor,
-                         payload, causation_id, idempotency_key, created_at
+                         payload, causation_id, idempotency_key, created_at, copied_from
                     FROM ROWS FROM (
                            json_to_recordset(convert_from($2::bytea, 'UTF8')::json)
                              AS (id uuid, session_id uuid, project_id text, seq bigint,
                                  type text, actor text, payload jsonb, causation_id uuid,
-                                 created_at timestamptz),
+                                 created_at timestamptz, copied_from uuid),
                            json_array_elements_text($3::json))
                       AS e(id, session_id, project_id, seq, type, actor, payload,
-                           causation_id, created_at, idempotency_key)
+                           causation_id, created_at, copied_from, idempotency_key)
                    WHERE (SELECT sessions_unmoved(count(*), json_array_length($1::json))
                             FROM bump))""",
             [
@@ -262,17 +291,63 @@ class LogTransaction:
             ],
         )
 
-    async def create_session(self, project_id: str, opened_by: str) -> SessionState:
-        """Insert a new open session, locked for the rest of the transaction."""
+    async def create_session(
+        self, project_id: str, opened_by: str, branch: BranchOf | None = None
+    ) -> SessionState:
+        """Insert a new open session (a branch of `branch.parent`, when given), locked
+        for the rest of the transaction."""
         row = await self._conn.fetchrow(
-            """INSERT INTO sessions (id, project_id, opened_by) VALUES ($1, $2, $3)
+            """INSERT INTO sessions (id, project_id, opened_by,
+                                     parent_session_id, forked_at_seq, fork_id)
+               VALUES ($1, $2, $3, $4, $5, $6)
                RETURNING id, project_id, status, last_seq, now() AS now""",
             uuid4(),
             project_id,
             opened_by,
+            branch.parent if branch else None,
+            branch.at_seq if branch else None,
+            branch.fork_id if branch else None,
         )
         assert row is not None
         return SessionState(**dict(row))
+
+    async def fork_facts(self, session_id: UUID) -> ForkFacts | None:
+        """The session to fork, locked (its prefix is read as of the fork), with the
+        seq of its closing event; None when it does not exist."""
+        row = await self._conn.fetchrow(
+            """SELECT s.id AS session_id, s.project_id, s.last_seq,
+                      (SELECT min(seq) FROM events e
+                        WHERE e.session_id = s.id AND e.type = ANY($2::text[])) AS closing_seq
+                 FROM sessions s WHERE s.id = $1 FOR UPDATE""",
+            session_id,
+            [t.value for t in SESSION_CLOSINGS],
+        )
+        return ForkFacts(**dict(row)) if row else None
+
+    async def branch(self, parent: UUID, fork_id: str) -> ExistingBranch | None:
+        """The branch of `parent` an earlier request with `fork_id` made, if any."""
+        row = await self._conn.fetchrow(
+            """SELECT s.id AS session_id, s.forked_at_seq AS at_seq,
+                      f.id AS forked_event_id, m.id AS message_event_id,
+                      m.payload->>'text' AS text
+                 FROM sessions s
+                 JOIN events f ON f.session_id = s.id AND f.seq = 1
+                 JOIN events m ON m.session_id = s.id AND m.seq = s.forked_at_seq + 2
+                WHERE s.parent_session_id = $1 AND s.fork_id = $2""",
+            parent,
+            fork_id,
+        )
+        return ExistingBranch(**dict(row)) if row else None
+
+    async def events_up_to(self, session_id: UUID, seq: int) -> list[Event]:
+        """The session's events from its first to `seq`, in order."""
+        rows = await self._conn.fetch(
+            f"""SELECT {EVENT_COLUMNS} FROM events
+                 WHERE session_id = $1 AND seq <= $2 ORDER BY seq""",
+            session_id,
+            seq,
+        )
+        return [_event(r) for r in rows]
 
     async def close(self, session: SessionState, status: str, reason: str | None) -> None:
         """Mark the session ended; the caller appends the closing event."""
@@ -324,9 +399,12 @@ class LogRepository:
         )
         return SessionView.model_validate(dict(row)) if row else None
 
-    async def sessions_of_project(self, project_id: str, limit: int) -> list[ListedSession]:
-        """A project's sessions, newest first, each with its title and latest event's time:
-        one query, two index reads per session (events' `(session_id, seq)` key)."""
+    async def sessions_of_project(
+        self, project_id: str, limit: int, forked_from: UUID | None = None
+    ) -> list[ListedSession]:
+        """A project's sessions (only the branches of `forked_from`, when given), newest
+        first, each with its title and latest event's time: one query, two index reads per
+        session (events' `(session_id, seq)` key)."""
         rows = await self._pool.fetch(
             f"""SELECT {SESSION_COLUMNS},
                        left(first_message.payload->>'text', $3) AS title,
@@ -342,11 +420,13 @@ class LogRepository:
                         WHERE events.session_id = sessions.id
                           AND events.seq = sessions.last_seq) AS latest ON true
                  WHERE sessions.project_id = $1
+                   AND ($5::uuid IS NULL OR sessions.parent_session_id = $5)
                  ORDER BY sessions.opened_at DESC, sessions.id LIMIT $2""",
             project_id,
             limit,
             TITLE_MAX_CHARS,
             TITLE_SEARCH_EVENTS,
+            forked_from,
         )
         return [ListedSession.model_validate(dict(r)) for r in rows]
 

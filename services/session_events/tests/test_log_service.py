@@ -425,6 +425,7 @@ async def test_the_service_is_discoverable_through_nats_micro(nc: Client, log_se
     assert ping["name"] == "session_events"
     assert {e["subject"] for e in info["endpoints"]} == {
         subjects.SESSIONS_LIST,
+        subjects.SESSIONS_FORK,
         subjects.SESSIONS_OPEN,
         subjects.SESSIONS_CLOSE,
         subjects.SESSIONS_TERMINATE,
