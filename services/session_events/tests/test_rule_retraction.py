@@ -20,6 +20,7 @@ from servicekit.db import create_pool
 from session_events.group_commit import GroupCommit, Pending
 from session_events.repository import LogRepository
 
+from .test_fork import fork
 from .test_log_service import append, events_of
 
 RULE = EventType.ARTIFACT_BUSINESS_RULE.value
@@ -173,3 +174,29 @@ async def test_retractions_racing_from_several_replicas_retire_the_rule_once(
     ), refusals
     retractions = [e for s in sessions for e in await events_of(nc, s) if e.type.value == RETRACTED]
     assert [e.id for e in retractions] == [written[0].event_id]
+
+
+async def test_a_branch_copies_retirements_and_keeps_each_rule_retired_once(
+    nc: Client, open_session: Any
+) -> None:
+    earlier = (await open_session("bakery")).session_id
+    parent = (await open_session("bakery")).session_id
+    hours = await said_and_recorded(nc, earlier, "Orders close at 18h")
+    pickup = await said_and_recorded(nc, parent, "Pickup only")
+    fixed = await append(nc, parent, RULE, payload=correction(hours))
+    gone = await append(nc, parent, RETRACTED, payload={"rule_id": str(pickup)})
+
+    # The branch's prefix holds both retirements: the copied correction still names the
+    # earlier session's rule (outside the prefix), the copied retraction the copied rule.
+    branch = await fork(nc, parent, gone.seq, "Delivery after all", project_id="bakery")
+    copies = {e.copied_from: e for e in await events_of(nc, branch.session_id) if e.copied_from}
+    assert copies[fixed.event_id].payload["replaces"] == str(hours)
+    assert copies[gone.event_id].payload["rule_id"] == str(copies[pickup].id)
+
+    # A rule stays retired once, in the parent, in the branch and across the project.
+    for session, rule_id in [(branch.session_id, copies[pickup].id), (parent, pickup)]:
+        error = await refused(nc, session, RETRACTED, {"rule_id": str(rule_id)})
+        assert error.code == ErrorCode.RULE_NOT_STANDING
+    error = await refused(nc, branch.session_id, RULE, correction(hours))
+    assert error.code == ErrorCode.RULE_NOT_STANDING
+    assert error.details == {"rule_id": str(hours), "retired_by": str(fixed.event_id)}
