@@ -591,7 +591,7 @@ class Record:
 
     type: EventType
     payload: Message
-    causation_id: UUID
+    causation_id: UUID | None
     idempotency_key: str
     actor: str = CRIATIVO_ACTOR
 
@@ -843,3 +843,16 @@ def conclude(conv: Conversation, plan: Plan, result: Reply | Failure) -> Finish:
         result.turn_ids,
         record=Record(EventType.AGENT_RESPONSE, response, ask.cause, key, actor),
     )
+
+
+def offer_refused(brief_id: UUID | None, code: str, message: str, offer_key: str) -> Record | None:
+    """What the person is told when the handoff service refuses a brief's offer for good.
+
+    PO already active in the project (`agente_ja_ativo`) is not a failure to retry: the
+    handoff service's message is told in the session, and the brief stays in the log.
+    Any other refusal tells nobody (ADR 0182, consequences).
+    """
+    if code != ErrorCode.AGENTE_JA_ATIVO:
+        return None
+    notice = AgentError(agent=CRIATIVO, code=code, reason=message)
+    return Record(EventType.AGENT_ERROR, notice, brief_id, f"{offer_key}:refused")

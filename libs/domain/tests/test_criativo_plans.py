@@ -41,6 +41,7 @@ from domain.criativo import (
     artifact_call,
     brief_from_reply,
     conclude,
+    offer_refused,
     plan,
     readable_reason,
     rebuild,
@@ -465,3 +466,23 @@ def test_a_plan_is_made_on_the_log_as_it_stands() -> None:
     assert plan(conv, by_id(LOG, M2), PROMPTS) == Plan(M2, Action.ALREADY_ANSWERED)
     assert plan(CLOSED, by_id(LOG, M2), PROMPTS).ask is None
     assert plan(WITH_BRIEF, ev(6, READY, EventType.CRIATIVO_READINESS_CONFIRMED), PROMPTS).finish
+
+
+@pytest.mark.parametrize(
+    ("code", "told"),
+    [
+        (
+            "agente_ja_ativo",
+            Record(
+                EventType.AGENT_ERROR,
+                AgentError(agent="criativo", code="agente_ja_ativo", reason="PO is active"),
+                BRIEF,
+                "criativo:offer:x:refused",
+            ),
+        ),
+        ("invalid_request", None),
+    ],
+    ids=["PO already active: the person is told", "any other refusal: nobody is"],
+)
+def test_a_refused_offer_of_the_brief(code: str, told: Record | None) -> None:
+    assert offer_refused(BRIEF, code, "PO is active", "criativo:offer:x") == told
