@@ -723,10 +723,28 @@ def plan(conv: Conversation, event: Event, prompts: Prompts) -> Plan:
     return Plan(event.id, action)
 
 
-def _person(conv: Conversation, input_id: UUID) -> str | None:
-    """Whom a turn works for: the person whose message or readiness it answers."""
-    event = conv.inputs.get(input_id)
-    return person_of(event.actor) if event is not None else None
+def _asking(
+    conv: Conversation,
+    agent: str,
+    cause: UUID,
+    turn_id: str,
+    system: str,
+    messages: list[ChatMessage],
+    tools: tuple[ToolSpec, ...] = (),
+) -> Ask:
+    """An ask in this session, for the person who sent the input it answers."""
+    sent = conv.inputs.get(cause)
+    return Ask(
+        agent,
+        cause,
+        conv.session_id,
+        conv.project_id,
+        turn_id,
+        system,
+        tuple(messages),
+        tools,
+        person=person_of(sent.actor) if sent is not None else None,
+    )
 
 
 def _system(conv: Conversation, prompts: Prompts) -> str:
@@ -735,48 +753,25 @@ def _system(conv: Conversation, prompts: Prompts) -> str:
 
 def answer(conv: Conversation, message_id: UUID, prompts: Prompts) -> Ask:
     """Criativo's answer to a message: the conversation so far, the rules, the tool."""
-    return Ask(
-        agent=CRIATIVO,
-        cause=message_id,
-        session_id=conv.session_id,
-        project_id=conv.project_id,
-        turn_id=f"{CRIATIVO}.{message_id}",
-        system=_system(conv, prompts),
-        messages=tuple(model_messages(conv, message_id)),
-        tools=(EMIT_ARTIFACT,),
-        person=_person(conv, message_id),
-    )
+    messages = model_messages(conv, message_id)
+    turn_id = f"{CRIATIVO}.{message_id}"
+    system = _system(conv, prompts)
+    return _asking(conv, CRIATIVO, message_id, turn_id, system, messages, (EMIT_ARTIFACT,))
 
 
 def plain_answer(conv: Conversation, message_id: UUID) -> Ask:
     """The stateless answer of a session without Criativo: the current message only."""
-    return Ask(
-        agent=PLAIN_CHAT,
-        cause=message_id,
-        session_id=conv.session_id,
-        project_id=conv.project_id,
-        turn_id=f"{PLAIN_CHAT}.{message_id}",
-        system="",
-        messages=(ChatMessage(role="user", content=conv.message(message_id).text),),
-        person=_person(conv, message_id),
-    )
+    messages = [ChatMessage(role="user", content=conv.message(message_id).text)]
+    return _asking(conv, PLAIN_CHAT, message_id, f"{PLAIN_CHAT}.{message_id}", "", messages)
 
 
 def consolidation(conv: Conversation, readiness_id: UUID, prompts: Prompts) -> Ask:
     """The consolidation turn after readiness: the brief's text, no tools offered (the
     model can write the brief, never emit it)."""
-    readiness = conv.inputs[readiness_id]
     request = prompts.consolidation.format(readiness_id=readiness_id)
-    return Ask(
-        agent=CRIATIVO,
-        cause=readiness_id,
-        session_id=conv.session_id,
-        project_id=conv.project_id,
-        turn_id=brief_turn_id(readiness_id),
-        system=_system(conv, prompts),
-        messages=tuple(consolidation_messages(conv, readiness.seq, request)),
-        person=person_of(readiness.actor),
-    )
+    messages = consolidation_messages(conv, conv.inputs[readiness_id].seq, request)
+    turn_id = brief_turn_id(readiness_id)
+    return _asking(conv, CRIATIVO, readiness_id, turn_id, _system(conv, prompts), messages)
 
 
 def artifact_call(
@@ -806,42 +801,32 @@ def conclude(conv: Conversation, plan: Plan, result: Reply | Failure) -> Finish:
     ask = plan.ask
     if ask is None:
         raise ValueError(f"plan {plan.action.value} asked the model nothing")
-    actor = f"agent:{ask.agent}"
+    payload: Message
     if isinstance(result, Failure):
-        failed = AgentError(
-            agent=ask.agent, code=result.code, reason=readable_reason(result.code, result.details)
+        reason = readable_reason(result.code, result.details)
+        kind, what = EventType.AGENT_ERROR, "error"
+        payload = AgentError(agent=ask.agent, code=result.code, reason=reason)
+    elif plan.action is Action.CONSOLIDATE:
+        kind, what = EventType.ARTIFACT_PRODUCT_BRIEF, "brief"
+        payload = brief_from_reply(result.text, conv)
+    else:
+        kind, what = EventType.AGENT_RESPONSE, "response"
+        payload = AgentResponse(
+            agent=ask.agent,
+            text=result.text,
+            turn_id=result.turn_ids[-1] if result.turn_ids else None,
+            usage=result.usage,
+            stopped=result.stopped,
         )
-        key = f"{ask.agent}:error:{ask.cause}"
-        return Finish(
-            ask.agent,
-            ask.cause,
-            result.turn_ids,
-            record=Record(EventType.AGENT_ERROR, failed, ask.cause, key, actor),
-            error_code=result.code,
-        )
-    if plan.action is Action.CONSOLIDATE:
-        brief = brief_from_reply(result.text, conv)
-        key = f"{CRIATIVO}:brief:{ask.cause}"
-        return Finish(
-            ask.agent,
-            ask.cause,
-            result.turn_ids,
-            record=Record(EventType.ARTIFACT_PRODUCT_BRIEF, brief, ask.cause, key, actor),
-            offer=True,
-        )
-    response = AgentResponse(
-        agent=ask.agent,
-        text=result.text,
-        turn_id=result.turn_ids[-1] if result.turn_ids else None,
-        usage=result.usage,
-        stopped=result.stopped,
-    )
-    key = f"{ask.agent}:response:{ask.cause}"
+    # One record per input and kind: a redelivered input gets the event first written.
+    key = f"{ask.agent}:{what}:{ask.cause}"
     return Finish(
         ask.agent,
         ask.cause,
         result.turn_ids,
-        record=Record(EventType.AGENT_RESPONSE, response, ask.cause, key, actor),
+        record=Record(kind, payload, ask.cause, key, f"agent:{ask.agent}"),
+        error_code=result.code if isinstance(result, Failure) else None,
+        offer=kind is EventType.ARTIFACT_PRODUCT_BRIEF,
     )
 
 

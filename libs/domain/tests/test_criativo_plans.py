@@ -99,44 +99,40 @@ OTHERS = [
     ev(7, CLOSING, EventType.SESSION_CLOSED),
 ]
 
+
+def ana_asks(
+    agent: str, cause: UUID, turn_id: str, system: str, *messages: ChatMessage, tool: bool = False
+) -> Ask:
+    """An ask in SESSION of project "p", for ana, who sent every input of these logs."""
+    tools = (EMIT_ARTIFACT,) if tool else ()
+    return Ask(agent, cause, SESSION, "p", turn_id, system, messages, tools, person="ana")
+
+
 # What Criativo asks the model to answer M2 in LOG: everything said before it, the
 # rules in the system prompt, the tool; its turn ids are numbered from the message.
-CRIATIVO_ANSWERS_M2 = Ask(
-    agent="criativo",
-    cause=M2,
-    session_id=SESSION,
-    project_id="p",
-    turn_id=f"criativo.{M2}",
-    system=system(ACTIVE),
-    messages=(U(M1, "a bakery app"), A("for whom?"), U(M2, "orders close at 6pm")),
-    tools=(EMIT_ARTIFACT,),
-    person="ana",
+CRIATIVO_ANSWERS_M2 = ana_asks(
+    "criativo",
+    M2,
+    f"criativo.{M2}",
+    system(ACTIVE),
+    U(M1, "a bakery app"),
+    A("for whom?"),
+    U(M2, "orders close at 6pm"),
+    tool=True,
 )
-PLAIN_ANSWERS_M2 = Ask(
-    agent="chat",
-    cause=M2,
-    session_id=SESSION,
-    project_id="p",
-    turn_id=f"chat.{M2}",
-    system="",
-    messages=(ChatMessage(role="user", content="orders close at 6pm"),),
-    person="ana",
+PLAIN_ANSWERS_M2 = ana_asks(
+    "chat", M2, f"chat.{M2}", "", ChatMessage(role="user", content="orders close at 6pm")
 )
-CONSOLIDATION = Ask(
-    agent="criativo",
-    cause=READY,
-    session_id=SESSION,
-    project_id="p",
-    turn_id=f"criativo.{READY}.brief",
-    system=system(rebuild(SESSION, READY_LOG)),
-    messages=(
-        U(M1, "a bakery app"),
-        A("for whom?"),
-        U(M2, "orders close at 6pm"),
-        A("noted"),
-        ChatMessage(role="user", content=f"ASK {READY}"),
-    ),
-    person="ana",
+CONSOLIDATION = ana_asks(
+    "criativo",
+    READY,
+    f"criativo.{READY}.brief",
+    system(rebuild(SESSION, READY_LOG)),
+    U(M1, "a bakery app"),
+    A("for whom?"),
+    U(M2, "orders close at 6pm"),
+    A("noted"),
+    ChatMessage(role="user", content=f"ASK {READY}"),
 )
 
 # (case, the log, the input (an event of the log), the plan)
