@@ -189,8 +189,9 @@ class SessionWork:
         """The model turn a plan asks for, recording the rules the core accepts on the way;
         a turn metering could not complete is a failure the core concludes from too.
 
-        `Turns` runs each kind of turn with the ask the core makes for it (the `ask` here
-        is the same value: `plan` makes it with the same function)."""
+        `Turns` is called by the kind of turn, with the conversation and the input: each
+        kind is replaceable on its own, and builds its ask with the very core function
+        `plan` used, so it runs this `ask`."""
         cause = ask.cause
         run = {
             Action.ANSWER_WITH_CRIATIVO: self._turns.criativo,
