@@ -28,11 +28,9 @@ import asyncpg
 from nats.aio.client import Client
 
 from contracts import subjects
-from contracts.common import ErrorCode
-from contracts.events import AgentError, EventType
 from contracts.handoff import OfferHandoff
 from contracts.session_events import AppendEvent
-from domain.criativo import CRIATIVO, CRIATIVO_ACTOR
+from domain.criativo import CRIATIVO, offer_refused
 from servicekit.consumer import claim_once
 from servicekit.outbox import DELIVERED, CommandSender, Delivery, OutboxRow, Wake, with_outbox
 
@@ -83,23 +81,22 @@ class OfferSender:
 
     async def _settle(self, row: OutboxRow, result: Delivery) -> Delivery:
         refusal = result.refusal
-        if not (result.permanent and refusal and refusal.code == ErrorCode.AGENTE_JA_ATIVO):
+        if not (result.permanent and refusal):
             return result
         offer = OfferHandoff.model_validate_json(row.body)
+        told = offer_refused(offer.artifact_id, refusal.code, refusal.message, row.msg_id)
+        if told is None:
+            return result
         notice = AppendEvent(
             session_id=offer.session_id,
-            type=EventType.AGENT_ERROR.value,
-            actor=CRIATIVO_ACTOR,
-            payload=AgentError(
-                agent=CRIATIVO,
-                code=ErrorCode.AGENTE_JA_ATIVO.value,
-                reason=refusal.message,
-            ).model_dump(mode="json"),
-            causation_id=offer.artifact_id,
-            idempotency_key=f"{row.msg_id}:refused",
+            type=told.type.value,
+            actor=told.actor,
+            payload=told.payload.model_dump(mode="json"),
+            causation_id=told.causation_id,
+            idempotency_key=told.idempotency_key,
         )
-        told = await self._requests.send([_as_row(row, notice)])
-        return DELIVERED if told[0].error is None else told[0]
+        sent = await self._requests.send([_as_row(row, notice)])
+        return DELIVERED if sent[0].error is None else sent[0]
 
 
 def _as_row(row: OutboxRow, event: AppendEvent) -> OutboxRow:

@@ -1,7 +1,11 @@
-"""What a session does with each input: catch up on the log, decide (domain), act.
+"""What a session does with each input: catch up on the log, plan, execute, feed back.
+
+The rules are the core's (`domain.criativo.plan` and `conclude`, with no I/O); this
+shell reads the log, runs the model turn a plan asks for, gives its result back to the
+core, and appends, publishes and queues what the core concludes.
 
 Each input is handled under the session's lease, after catching up with the log,
-so the decision is taken on the log as it stands, not on what this replica last saw:
+so the plan is made on the log as it stands, not on what this replica last saw:
 - a chat message is answered with every earlier message still unanswered, in `seq`
   order (those another replica received and has not answered yet) — by Criativo when
   it is active in the session, otherwise by the plain stateless chat;
@@ -31,19 +35,12 @@ from nats.aio.client import Client
 
 from contracts import subjects
 from contracts.common import ErrorCode
-from contracts.criativo import AgentDone
-from contracts.events import (
-    AgentError,
-    AgentResponse,
-    BusinessRule,
-    Event,
-    EventType,
-)
+from contracts.events import Event, EventType
 from criativo.lease import SessionLeases
 from criativo.offers import queue_offer
-from criativo.turns import TurnFailed, TurnOutcome, Turns, consolidation_turn_id
+from criativo.turns import PROMPTS, TurnFailed, TurnOutcome, Turns
 from domain import criativo as rules
-from domain.criativo import Action, Conversation
+from domain.criativo import Action, Ask, Conversation, Failure, Finish, Record, Reply, Then
 from servicekit import provenance
 from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
@@ -135,7 +132,7 @@ class SessionWork:
             return await self.catch_up(conv)
 
     async def _handle(self, conv: Conversation, event: Event) -> Conversation:
-        if event.type not in (EventType.CHAT_MESSAGE, EventType.CRIATIVO_READINESS_CONFIRMED):
+        if not rules.acts_on(event.type):
             # Activation, closing: only the state moves, and it moves from the log.
             conv = await self.catch_up(conv)
             await self.confirmed(conv, event)  # a forged one is logged and counted
@@ -164,53 +161,57 @@ class SessionWork:
         return task
 
     async def _handle_held(self, conv: Conversation, event: Event) -> Conversation:
-        """A message or a readiness, under the session's lease, on the caught-up log."""
+        """A message or a readiness, under the session's lease, on the caught-up log: plan,
+        execute, feed the result back, until the plan says the input is done."""
         if not await self.confirmed(conv, event):
             return conv  # forged or stale: acknowledged, never acted on
-        if event.type is EventType.CHAT_MESSAGE:
-            for n, message_id in enumerate(conv.pending_before(event.seq)):
-                if n:  # the answer before, as the log holds it, is in this one's prompt
-                    conv = await self.catch_up(conv)
-                conv = await self._answer(conv, message_id)
-            # The last answer is read back by the next input's catch-up, which every
-            # input starts with: one read of the log per turn, not two.
-            return conv
-        return await self._readiness(conv, event)
-
-    async def _answer(self, conv: Conversation, message_id: UUID) -> Conversation:
-        action = rules.decide(conv, EventType.CHAT_MESSAGE, message_id)
-        said = conv.message(message_id)
-        if action is Action.ANSWER_WITH_CRIATIVO:
-            agent = rules.CRIATIVO
-
-            async def record(rule: BusinessRule, tool_use_id: str) -> UUID:
-                # One tool call, one artifact: a replayed turn repeats the tool_use id.
-                appended = await self._log.append(
-                    conv.session_id,
-                    EventType.ARTIFACT_BUSINESS_RULE,
-                    rules.CRIATIVO_ACTOR,
-                    rule,
-                    causation_id=message_id,
-                    idempotency_key=f"criativo:rule:{message_id}:{tool_use_id}",
+        while True:
+            plan = rules.plan(conv, event, PROMPTS)
+            finish = plan.finish
+            if plan.ask is not None:
+                result = await self._turn(conv, plan.action, plan.ask)
+                finish = rules.conclude(conv, plan, result)
+            if finish is not None:
+                await self._finish(conv, finish)
+            elif event.type is EventType.CRIATIVO_READINESS_CONFIRMED:
+                log.info(
+                    "readiness_ignored", session_id=str(conv.session_id), action=plan.action.value
                 )
-                return appended.event_id
+            if plan.then is Then.STOP:
+                # What was written is read back by the next input's catch-up, which every
+                # input starts with: one read of the log per turn, not two.
+                return conv
+            conv = await self.catch_up(conv)
+            if plan.then is Then.CATCH_UP:
+                return conv
 
-            def run() -> Awaitable[TurnOutcome]:
-                return self._turns.criativo(conv, message_id, record)
-        elif action is Action.ANSWER_PLAINLY:
-            agent = rules.PLAIN_CHAT
+    async def _turn(self, conv: Conversation, action: Action, ask: Ask) -> Reply | Failure:
+        """The model turn a plan asks for, recording the rules the core accepts on the way;
+        a turn metering could not complete is a failure the core concludes from too.
 
-            def run() -> Awaitable[TurnOutcome]:
-                return self._turns.plain(conv, message_id, said.text)
-        else:
-            return conv
+        `Turns` is called by the kind of turn, with the conversation and the input: each
+        kind is replaceable on its own, and builds its ask with the very core function
+        `plan` used, so it runs this `ask`."""
+        cause = ask.cause
+        run = {
+            Action.ANSWER_WITH_CRIATIVO: self._turns.criativo,
+            Action.ANSWER_PLAINLY: self._turns.plain,
+            Action.CONSOLIDATE: self._turns.consolidate,
+        }[action]
+
+        async def record(rule: Record) -> UUID:
+            return await self._record(conv, rule)
+
         try:
-            outcome = await self._patiently(run, f"turn for {message_id}")
+            outcome = await self._patiently(
+                lambda: run(conv, cause, record), f"{action.value} for {cause}"
+            )
         except TurnFailed as exc:
-            await self._failed(conv, agent, message_id, exc)
-        else:
-            await self._respond(conv, agent, message_id, outcome)
-        return conv
+            log.warning(
+                "turn_failed", session_id=str(conv.session_id), code=exc.code, error=exc.message
+            )
+            return exc.failure()
+        return outcome.reply()
 
     async def _patiently(self, run: Callable[[], Awaitable[TurnOutcome]], what: str) -> TurnOutcome:
         """The turn, waited for while metering restarts (its turn ids make a retried turn
@@ -231,100 +232,31 @@ class SessionWork:
                 raise
             raise TurnFailed(ErrorCode.DEPENDENCY_UNAVAILABLE, repr(exc), []) from exc
 
-    async def _respond(
-        self, conv: Conversation, agent: str, message_id: UUID, outcome: TurnOutcome
-    ) -> None:
-        response = AgentResponse(
-            agent=agent,
-            text=outcome.text,
-            turn_id=outcome.turn_ids[-1] if outcome.turn_ids else None,
-            usage=outcome.turn_usage(),
-            stopped=outcome.stopped,
-        )
+    async def _record(self, conv: Conversation, record: Record) -> UUID:
         appended = await self._log.append(
             conv.session_id,
-            EventType.AGENT_RESPONSE,
-            f"agent:{agent}",
-            response,
-            causation_id=message_id,
-            idempotency_key=f"{agent}:response:{message_id}",
+            record.type,
+            record.actor,
+            record.payload,
+            causation_id=record.causation_id,
+            idempotency_key=record.idempotency_key,
         )
-        await self._done(
-            conv,
-            AgentDone(
-                agent=agent,
-                causation_id=message_id,
-                turn_ids=outcome.turn_ids,
-                response_id=appended.event_id,
-            ),
-        )
+        return appended.event_id
 
-    async def _failed(self, conv: Conversation, agent: str, cause: UUID, exc: TurnFailed) -> None:
-        """A turn metering could not complete: the person reads why; the session goes on."""
-        log.warning(
-            "turn_failed", session_id=str(conv.session_id), code=exc.code, error=exc.message
-        )
-        await self._log.append(
-            conv.session_id,
-            EventType.AGENT_ERROR,
-            f"agent:{agent}",
-            AgentError(
-                agent=agent, code=exc.code, reason=rules.readable_reason(exc.code, exc.details)
-            ),
-            causation_id=cause,
-            idempotency_key=f"{agent}:error:{cause}",
-        )
-        await self._done(
-            conv,
-            AgentDone(agent=agent, causation_id=cause, turn_ids=exc.turn_ids, error_code=exc.code),
-        )
-
-    async def _done(self, conv: Conversation, done: AgentDone) -> None:
+    async def _finish(self, conv: Conversation, finish: Finish) -> None:
+        """Record how the input ended, tell the clients the turn is over, offer a brief."""
+        recorded = await self._record(conv, finish.record) if finish.record else None
         await self._nc.publish(
             subjects.done_subject(conv.project_id, conv.session_id),
-            done.model_dump_json().encode(),
+            finish.done(recorded).model_dump_json().encode(),
         )
-
-    async def _readiness(self, conv: Conversation, readiness: Event) -> Conversation:
-        readiness_id = readiness.id
-        action = rules.decide(conv, EventType.CRIATIVO_READINESS_CONFIRMED, readiness_id)
-        if action is Action.CONSOLIDATE:
-            try:
-                outcome = await self._patiently(
-                    lambda: self._turns.consolidate(conv, readiness_id, readiness.seq),
-                    f"consolidation for {readiness_id}",
-                )
-            except TurnFailed as exc:
-                await self._failed(conv, rules.CRIATIVO, readiness_id, exc)
-                return await self.catch_up(conv)
-            brief = rules.brief_from_reply(outcome.text, conv)
-            appended = await self._log.append(
+        answer = finish.answered_by(recorded)
+        if finish.offer and answer is not None:
+            await queue_offer(
+                self._pool,
+                self._wake_offers,
+                conv.project_id,
                 conv.session_id,
-                EventType.ARTIFACT_PRODUCT_BRIEF,
-                rules.CRIATIVO_ACTOR,
-                brief,
-                causation_id=readiness_id,
-                idempotency_key=f"criativo:brief:{readiness_id}",
+                finish.cause,
+                answer,
             )
-            brief_id = appended.event_id
-            turn_ids = outcome.turn_ids
-        elif action is Action.OFFER_EXISTING_BRIEF:
-            brief_id = conv.briefs[readiness_id]
-            turn_ids = [consolidation_turn_id(readiness_id)]
-        else:
-            log.info("readiness_ignored", session_id=str(conv.session_id), action=action.value)
-            return conv
-        # The consolidation's deltas end here; the brief is the event the turn produced.
-        await self._done(
-            conv,
-            AgentDone(
-                agent=rules.CRIATIVO,
-                causation_id=readiness_id,
-                turn_ids=turn_ids,
-                response_id=brief_id,
-            ),
-        )
-        await queue_offer(
-            self._pool, self._wake_offers, conv.project_id, conv.session_id, readiness_id, brief_id
-        )
-        return await self.catch_up(conv)

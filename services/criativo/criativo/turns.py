@@ -1,5 +1,6 @@
 """The model turns of a session, all on the harness's `ToolLoop` (streaming, through
-metering only).
+metering only). What each turn asks (prompt, tools, turn ids) is the core's
+(`domain.criativo.Ask`); here it is run.
 
 - `criativo`: a streaming tool loop. Each model call is one `cmd.llm.stream` whose
   deltas go to the session's `agent.delta.<project>.<session>`; tool calls
@@ -32,22 +33,20 @@ from importlib.resources import files
 from typing import Any
 from uuid import UUID
 
-from contracts.common import person_of
-from contracts.events import BusinessRule, TurnUsage
-from contracts.metering import ChatMessage, TokenUsage, ToolSpec, ToolUseBlock
+from contracts.events import TurnUsage
+from contracts.metering import TokenUsage, ToolUseBlock
 from domain import criativo as rules
-from domain.criativo import Conversation
-from domain.errors import DomainError
+from domain.criativo import Conversation, Failure, Reply
 from harness import LoopContext, LoopResult, MeteringClient, Tool, ToolLoop, ToolResult
 from servicekit.faults import crash_point
 
-CRIATIVO_PROMPT = (files("criativo") / "prompts" / "criativo.md").read_text(encoding="utf-8")
-CONSOLIDATION_PROMPT = (files("criativo") / "prompts" / "consolidation.md").read_text(
-    encoding="utf-8"
+PROMPTS = rules.Prompts(
+    criativo=(files("criativo") / "prompts" / "criativo.md").read_text(encoding="utf-8"),
+    consolidation=(files("criativo") / "prompts" / "consolidation.md").read_text(encoding="utf-8"),
 )
 
-# Records a valid rule in the log, once per tool_use id; returns its event id.
-RecordRule = Callable[[BusinessRule, str], Awaitable[UUID]]
+# Appends a record the core asked for (a rule, during a turn); returns its event id.
+RecordRule = Callable[[rules.Record], Awaitable[UUID]]
 
 
 class TurnFailed(Exception):
@@ -65,6 +64,10 @@ class TurnFailed(Exception):
         self.message = message
         self.turn_ids = turn_ids
         self.details = details or {}
+
+    def failure(self) -> Failure:
+        """The failure, as the core concludes from it."""
+        return Failure(self.code, tuple(self.turn_ids), self.details)
 
 
 @dataclass
@@ -92,57 +95,32 @@ class TurnOutcome:
             cost_micros=self.cost_micros,
         )
 
-
-EMIT_ARTIFACT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "type": {"type": "string", "enum": rules.known()},
-        "title": {"type": "string", "description": "a short name for the rule"},
-        "statement": {"type": "string", "description": "the rule, precisely"},
-        "origin": {
-            "type": "array",
-            "items": {"type": "string", "format": "uuid"},
-            "minItems": 1,
-            "description": "ids of the person's messages it comes from ([message <id>])",
-        },
-    },
-    "required": ["type", "title", "statement", "origin"],
-}
+    def reply(self) -> Reply:
+        """The answer, as the core concludes from it."""
+        return Reply(self.text, tuple(self.turn_ids), self.turn_usage(), self.stopped)
 
 
-# Built (and validated) once: every turn offers the same tool, with its own handler.
-EMIT_ARTIFACT = ToolSpec(
-    name="emit_artifact",
-    description="Record an artifact of the conversation. Only business_rule can be emitted; "
-    "the product brief is written by the system after the person confirms readiness.",
-    input_schema=EMIT_ARTIFACT_SCHEMA,
-)
-
-
-def emit_artifact(conv: Conversation, record: RecordRule) -> Tool:
-    """The tool: validated by the domain; a refusal goes back verbatim; a valid rule is
-    recorded under its call's tool_use id (the same on every replay of the turn)."""
+def emit_artifact(conv: Conversation, ask: rules.Ask, record: RecordRule) -> Tool:
+    """The tool: each call judged by the core; a refusal goes back verbatim; a valid rule
+    is recorded under its call's tool_use id (the same on every replay of the turn)."""
 
     async def handler(call: ToolUseBlock) -> ToolResult:
-        try:
-            rule = rules.check_artifact(call.input, conv)
-        except DomainError as exc:
-            return ToolResult.error(f"{exc.code}: {exc.message}")
-        event_id = await record(rule, call.id)
+        judged = rules.artifact_call(conv, ask, call.id, call.input)
+        if isinstance(judged, rules.Refusal):
+            return ToolResult.error(judged.text)
+        event_id = await record(judged)
         crash_point("criativo.after_rule")
-        return ToolResult.ok(f"business_rule recorded as event {event_id}", data=event_id)
+        return ToolResult.ok(rules.RULE_RECORDED.format(event_id=event_id), data=event_id)
 
-    return Tool.of(EMIT_ARTIFACT, handler)
-
-
-def _person(conv: Conversation, input_id: UUID) -> str | None:
-    """Whom a turn works for: the person whose message or readiness it answers."""
-    event = conv.inputs.get(input_id)
-    return person_of(event.actor) if event is not None else None
+    return Tool.of(rules.EMIT_ARTIFACT, handler)
 
 
 class Turns:
-    """Runs a session's model turns through metering, on the harness's `ToolLoop`."""
+    """Runs the model turns the core asks for through metering, on the harness's `ToolLoop`.
+
+    One method per kind of turn, each running the ask the core plans for it
+    (`domain.criativo.answer`, `plain_answer`, `consolidation`).
+    """
 
     def __init__(
         self,
@@ -163,87 +141,50 @@ class Turns:
         self, conv: Conversation, message_id: UUID, record: RecordRule
     ) -> TurnOutcome:
         """Answer one message with the conversation so far, recording rules as they come."""
-        result = await self._run(
-            [emit_artifact(conv, record)],
-            self._max_iterations,
-            LoopContext(
-                run_id=f"criativo.{conv.session_id}",
-                turn_id=lambda iteration: f"criativo.{message_id}.{iteration}",
-                agent_slug=rules.CRIATIVO,
-                project_id=conv.project_id,
-                session_id=conv.session_id,
-                system=self._system(conv),
-                messages=rules.model_messages(conv, message_id),
-                budget_micros=self._budget,
-                person=_person(conv, message_id),
-                stream=True,
-                causation_id=message_id,
-            ),
-        )
-        # The answer is every call's text, as the person saw it streamed.
-        return _outcome(result, "\n\n".join(result.texts))
+        return await self.run(conv, rules.answer(conv, message_id, PROMPTS), record)
 
-    async def plain(self, conv: Conversation, message_id: UUID, text: str) -> TurnOutcome:
+    async def plain(self, conv: Conversation, message_id: UUID, record: RecordRule) -> TurnOutcome:
         """The stateless answer of a session without Criativo: the current message only."""
-        result = await self._run(
-            [],
-            1,
-            LoopContext(
-                run_id=f"chat.{conv.session_id}",
-                turn_id=lambda _: f"chat.{message_id}",
-                agent_slug=rules.PLAIN_CHAT,
-                project_id=conv.project_id,
-                session_id=conv.session_id,
-                system="",
-                messages=[ChatMessage(role="user", content=text)],
-                budget_micros=self._budget,
-                person=_person(conv, message_id),
-                stream=True,
-                causation_id=message_id,
-            ),
-        )
-        return _outcome(result, result.final_text)
+        return await self.run(conv, rules.plain_answer(conv, message_id), record)
 
     async def consolidate(
-        self, conv: Conversation, readiness_id: UUID, readiness_seq: int
+        self, conv: Conversation, readiness_id: UUID, record: RecordRule
     ) -> TurnOutcome:
-        """The consolidation turn after readiness: the brief's text, no tools offered."""
-        ask = CONSOLIDATION_PROMPT.format(readiness_id=readiness_id)
-        # Streamed like any answer, so the person sees the brief being written; its
-        # deltas and its `agent.done` carry the readiness as their causation.
-        result = await self._run(
-            [],
-            1,
-            LoopContext(
-                run_id=f"criativo.{conv.session_id}",
-                turn_id=lambda _: consolidation_turn_id(readiness_id),
-                agent_slug=rules.CRIATIVO,
-                project_id=conv.project_id,
-                session_id=conv.session_id,
-                system=self._system(conv),
-                messages=rules.consolidation_messages(conv, readiness_seq, ask),
-                budget_micros=self._budget,
-                person=_person(conv, readiness_id),
-                stream=True,
-                causation_id=readiness_id,
-            ),
-        )
-        return _outcome(result, result.final_text)
+        """The consolidation turn after readiness: the brief's text, no tools offered.
 
-    async def _run(self, tools: list[Tool], max_iterations: int, ctx: LoopContext) -> LoopResult:
-        """One loop; a turn metering refused or failed raises `TurnFailed` with every
-        turn id tried. A tool that raises (the log unreachable while recording a rule)
-        ends the turn with its exception, so the delivery is retried: a rule must be
+        Streamed like any answer, so the person sees the brief being written; its deltas
+        and its `agent.done` carry the readiness as their causation."""
+        return await self.run(conv, rules.consolidation(conv, readiness_id, PROMPTS), record)
+
+    async def run(self, conv: Conversation, ask: rules.Ask, record: RecordRule) -> TurnOutcome:
+        """One loop for `ask`; a turn metering refused or failed raises `TurnFailed` with
+        every turn id tried. A tool that raises (the log unreachable while recording a
+        rule) ends the turn with its exception, so the delivery is retried: a rule must be
         recorded, never reported to the model as its mistake."""
+        tools = [emit_artifact(conv, ask, record)] if ask.tools else []
         loop = ToolLoop(
             self._client,
             tools,
-            max_iterations=max_iterations,
+            max_iterations=self._max_iterations if ask.tools else 1,
             max_tokens=self._max_tokens,
             in_progress_wait_seconds=self._in_progress_wait,
             report_tool_crashes=False,
         )
-        result = await loop.run(ctx)
+        result = await loop.run(
+            LoopContext(
+                run_id=ask.run_id,
+                turn_id=ask.call_id,
+                agent_slug=ask.agent,
+                project_id=ask.project_id,
+                session_id=ask.session_id,
+                system=ask.system,
+                messages=list(ask.messages),
+                budget_micros=self._budget,
+                person=ask.person,
+                stream=True,
+                causation_id=ask.cause,
+            )
+        )
         if result.status in ("error", "budget_exceeded"):
             raise TurnFailed(
                 result.error_code or "error",
@@ -251,16 +192,8 @@ class Turns:
                 result.turn_ids,
                 result.error_details,
             )
-        return result
-
-    @staticmethod
-    def _system(conv: Conversation) -> str:
-        return f"{CRIATIVO_PROMPT}\nBusiness rules recorded so far:\n{rules.rules_digest(conv)}"
-
-
-def consolidation_turn_id(readiness_id: UUID) -> str:
-    """The turn id of the consolidation turn a readiness asks for (before any retry)."""
-    return f"criativo.{readiness_id}.brief"
+        # A loop's answer is every call's text, as the person saw it streamed.
+        return _outcome(result, "\n\n".join(result.texts) if ask.tools else result.final_text)
 
 
 def _outcome(result: LoopResult, text: str) -> TurnOutcome:
