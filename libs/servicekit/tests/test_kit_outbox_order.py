@@ -34,7 +34,7 @@ from servicekit.outbox import (
     OutboxRow,
     Queued,
 )
-from servicekit.testing import stream_messages, wait_for
+from testkit.probes import stream_messages, wait_for
 
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]
 

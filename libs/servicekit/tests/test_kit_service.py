@@ -26,7 +26,7 @@ from servicekit.consumer import ConsumerSpec, claim_once
 from servicekit.runtime import Runtime
 from servicekit.service import Attempt, Service, Transaction, session_of_subject
 from servicekit.settings import ServiceSettings
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import KIT_SCHEMA
 

@@ -19,8 +19,8 @@ from nats.aio.client import Client
 from gateway.app import main as gateway_main
 from gateway.settings import GatewaySettings
 from metering.app import MeteringSettings, build_provider
-from metering.testing import Starter
-from servicekit.testing import running_service
+from testkit.metering import Starter
+from testkit.services import running_service
 
 from .conftest import SECRET, Gateway
 

@@ -32,10 +32,10 @@ from contracts.metering import (
 from domain.metering import Price, estimate_input_tokens, window_start, worst_case_micros
 from metering.providers.base import OnText, Progress, Provider, ProviderReply, ProviderRequest
 from metering.providers.scripted import ScriptedProvider
-from metering.testing import TEST_SCRIPT, Metering, Starter
 from metering.turns import prompt_bytes
 from servicekit.client import CommandFailed, call
-from servicekit.testing import wait_for
+from testkit.metering import TEST_SCRIPT, Metering, Starter
+from testkit.probes import wait_for
 
 LONG = 60.0
 # The seeded workspace model's list price (µUSD per million tokens).

@@ -7,8 +7,8 @@ import pytest
 from nats.aio.client import Client
 
 from metering.app import MeteringSettings, build_provider
-from metering.testing import Starter
 from servicekit.client import announced
+from testkit.metering import Starter
 
 
 async def metering_announces(nc: Client) -> dict[str, str]:
