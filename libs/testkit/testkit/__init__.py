@@ -8,7 +8,11 @@
   `testkit.fake_messages_api` (Anthropic): local model APIs that the official SDKs talk
   to over HTTP, so a provider's real code path runs without a network.
 
-It is a separate distribution in the root's dev group, outside the workspace members,
-so the production image (which installs every member) holds neither it nor pytest; no
-production package imports it (an import-linter contract).
+It imports the code it tests the way a service does: contracts (streams, subjects,
+events), servicekit (the embedded servers, provisioning, `call`), so a test's servers
+and calls are the ones `make up` runs; and, in `testkit.metering` only, the metering
+service, whose real `main` the plugin runs. It is a separate distribution in the root's
+dev group, outside the workspace members, so the production image (which installs every
+member) holds neither it nor pytest; no production package imports it (an
+import-linter contract).
 """

@@ -1,4 +1,5 @@
-"""Pytest fixtures for tests against real NATS and real Postgres (a pytest plugin).
+"""Pytest fixtures for tests against real NATS and real Postgres (a pytest plugin, loaded
+with `-p testkit.plugin` by the root `pyproject.toml`).
 
 Servers, by priority:
 1. `NATS_URL` / `DATABASE_URL` when set (each test still gets its own database, and
