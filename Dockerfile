@@ -45,8 +45,9 @@ WORKDIR /app
 
 # 1. third-party dependencies only, from the lock (cached while no manifest changes):
 #    what runs, never the root's dev group (`--no-dev`: test tools, the embedded NATS and
-#    Postgres, FastStream). tests/test_image_dependencies.py exports the set these `uv sync`
-#    flags select and fails if any of that is in it.
+#    Postgres, FastStream, the test kit of libs/testkit, which is no workspace member for
+#    that reason). tests/test_image_dependencies.py exports the set these `uv sync` flags
+#    select and fails if any of that is in it.
 COPY --from=manifests /manifests/ ./
 RUN --mount=type=cache,target=/root/.cache/uv \
     uv sync --frozen --no-dev --all-packages --no-install-workspace

@@ -39,7 +39,7 @@ from contracts import catalog
 from contracts.metering import DEFAULT_LIMITS, SetLimits, SpendLimits
 from servicekit.client import call
 from servicekit.embedded import start_nats, start_postgres
-from servicekit.testing import ServiceProcess
+from testkit.services import ServiceProcess
 
 TICK = os.sysconf("SC_CLK_TCK")
 Op = Callable[[int], Awaitable[bool]]  # one operation of client i; False = an error reply

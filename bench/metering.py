@@ -23,7 +23,7 @@ Goals (issue 12): per token ≤ 0.15 ms CPU across the processes, p99 added late
 ≤ 3 ms at 200 streams; the bench exits non-zero when one is missed.
 
 `--provider openai`: the same streams from an OpenAI-compatible server over HTTP (the fake
-of `metering.fake_chat_api`, in a process of its own, writing one chunk per word at the
+of `testkit.fake_chat_api`, in a process of its own, writing one chunk per word at the
 delay), through the real SDK, as a local model is served: what one read of a stream gives
 is published as fewer deltas when metering falls behind, and the bench prints deltas per
 token. Its latencies start when metering read the text (the provider's emit time is
@@ -197,7 +197,7 @@ async def serve_openai(tokens: int, delay_s: float) -> None:
     """The fake OpenAI-compatible server of `--provider openai`: every request answered
     with `tokens` words, one chunk each, written `delay_s` apart; prints its base URL and
     serves until its stdin closes."""
-    from metering.fake_chat_api import FakeChatApi, Reply, text_reply
+    from testkit.fake_chat_api import FakeChatApi, Reply, text_reply
 
     def answer(_: dict[str, Any]) -> Reply:
         reply = text_reply([f"w{i} " for i in range(tokens)], prompt=100)

@@ -59,9 +59,9 @@ from servicekit.client import call
 from servicekit.db import create_pool
 from servicekit.logs import configure_logging
 from servicekit.sessionlog import SessionLogClient
-from servicekit.testing import running_service
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.services import running_service
 
 SIZES = (20, 1_000, 10_000)
 CONCURRENT_SESSIONS = 50

@@ -42,7 +42,7 @@ from contracts.session_events import (
     SessionOpenedReply,
 )
 from servicekit.client import call
-from servicekit.testing import log_events, wait_for
+from testkit.probes import log_events, wait_for
 
 HERE = Path(__file__).parent
 SEEDS = [7, 1234, 99991]

@@ -33,7 +33,8 @@ from contracts.metering import (
     UsageSummaryRequest,
 )
 from contracts.session_events import AppendedReply, AppendEvent, OpenSession, SessionOpenedReply
-from metering.fake_chat_api import (
+from servicekit.client import call
+from testkit.fake_chat_api import (
     FakeChatApi,
     Reply,
     finish,
@@ -41,8 +42,7 @@ from metering.fake_chat_api import (
     tool_call_chunks,
     usage_chunk,
 )
-from servicekit.client import call
-from servicekit.testing import log_events, wait_for
+from testkit.probes import log_events, wait_for
 
 PROJECT = f"p-local-{uuid.uuid4().hex[:6]}"
 MODEL = "llama3.2"  # seeded at price 0

@@ -171,7 +171,7 @@ def test_the_root_tooling_covers_every_service_package() -> None:
         tomllib.loads(p.read_text())["project"]["name"]: p.parent
         for p in (ROOT / "services").glob("*/pyproject.toml")
     }
-    layers, independent, forbidden = root["tool"]["importlinter"]["contracts"]
+    layers, independent, forbidden, no_testkit = root["tool"]["importlinter"]["contracts"]
     services_layer = {name.strip() for name in layers["layers"][1].split("|")}
 
     assert {path.name for path in packages.values()} == set(modules.values())
@@ -186,6 +186,8 @@ def test_the_root_tooling_covers_every_service_package() -> None:
         assert module in services_layer, module
     assert set(independent["modules"]) == set(modules.values())
     assert set(forbidden["forbidden_modules"]) == set(modules.values())
+    assert set(modules.values()) <= set(no_testkit["source_modules"])
+    assert no_testkit["forbidden_modules"] == ["testkit"]
 
 
 @pytest.mark.parametrize("overlay", ["dev", "prod"])

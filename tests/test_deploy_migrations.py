@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import httpx
 
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 
 def logged(log_path: Path, event: str) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 
 def demo_turn(n: int, text: str) -> str:

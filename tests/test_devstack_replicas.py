@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from servicekit.bus import Credentials, identity_options
 from servicekit.natsconf import read_secrets
 from servicekit.permissions import ADMIN
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .test_devstack import agentbus
 

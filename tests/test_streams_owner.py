@@ -27,9 +27,11 @@ from contracts.session_events import (
 from servicekit.bus import check_streams
 from servicekit.client import call
 from servicekit.runtime import EXIT_NOT_PROVISIONED
-from servicekit.testing import Servers, identity_env, running_service, wait_for, without_credentials
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.probes import wait_for
+from testkit.servers import Servers, identity_env, without_credentials
+from testkit.services import running_service
 
 
 async def agentbus(servers: Servers, user: str, *args: str, database_url: str = "") -> str:

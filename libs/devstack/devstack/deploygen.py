@@ -1042,10 +1042,17 @@ LIBRARIES = {
     "contracts": "contracts",
 }
 LAUNCHER = ("devstack", "libs/devstack")
+# What the tests and benches run the code with (the root's dev group, not in the image).
+TESTKIT = ("testkit", "libs/testkit")
 
 
 def pyproject_mypy_path(services: list[Deployed]) -> str:
-    folders = [*LIBRARIES.values(), LAUNCHER[1], *(f"services/{s.module}" for s in services)]
+    folders = [
+        *LIBRARIES.values(),
+        LAUNCHER[1],
+        *(f"services/{s.module}" for s in services),
+        TESTKIT[1],
+    ]
     return "mypy_path = [\n" + "".join(f'    "{f}",\n' for f in folders) + "]\n"
 
 
@@ -1055,14 +1062,16 @@ def _toml_list(items: list[str]) -> str:
 
 def pyproject_layers(services: list[Deployed]) -> str:
     modules = [s.module for s in services]
-    root = [*reversed(LIBRARIES), *modules, LAUNCHER[0]]
+    production = [*reversed(LIBRARIES), *modules, LAUNCHER[0]]
     layers = [LAUNCHER[0], " | ".join(modules), *LIBRARIES]
     return f"""# `make lint` checks the layers (import-linter): each may import only what is
 # below it. The harness builds on servicekit (its metering client is a servicekit call), so it
 # sits above it; services are independent of one another (`|`); the launcher finds
-# them through entry points, at run time, and imports none either.
+# them through entry points, at run time, and imports none either. The test kit stands
+# outside the layers: it may import any of them, none may import it, as the image does
+# not install it.
 [tool.importlinter]
-root_packages = {_toml_list(root)}
+root_packages = {_toml_list([*production, TESTKIT[0]])}
 
 [[tool.importlinter.contracts]]
 name = "layers: contracts <- domain <- servicekit <- harness <- services <- launcher"
@@ -1079,6 +1088,12 @@ name = "the shared libraries and the launcher import no service"
 type = "forbidden"
 source_modules = {_toml_list([*reversed(LIBRARIES), LAUNCHER[0]])}
 forbidden_modules = {_toml_list(modules)}
+
+[[tool.importlinter.contracts]]
+name = "no production package imports the test kit"
+type = "forbidden"
+source_modules = {_toml_list(production)}
+forbidden_modules = ["{TESTKIT[0]}"]
 """
 
 

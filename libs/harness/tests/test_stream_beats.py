@@ -16,8 +16,8 @@ from contracts.metering import ChatMessage, LlmStream
 from harness import MeteringClient
 from harness.client import StreamSilent
 from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
-from metering.testing import Starter
-from servicekit.testing import subscribed, wait_for
+from testkit.metering import Starter
+from testkit.probes import subscribed, wait_for
 
 # Long enough to beat a few times (every 0.25 s below): 12 words, one every 50 ms.
 SLOW = Script(steps=[ScriptStep(text=" ".join(f"w{i}" for i in range(12)), token_delay_ms=50)])

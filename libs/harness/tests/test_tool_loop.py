@@ -23,9 +23,9 @@ from contracts.metering import (
 from harness import Halt, LoopContext, MeteringClient, Tool, ToolLoop, ToolResult
 from metering.providers.base import ProviderError
 from metering.providers.scripted import Script, ScriptedProvider, ScriptedToolCall, ScriptStep
-from metering.testing import Metering, Starter
 from servicekit.client import call
-from servicekit.testing import subscribed, wait_for
+from testkit.metering import Metering, Starter
+from testkit.probes import subscribed, wait_for
 
 NUMBER_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 

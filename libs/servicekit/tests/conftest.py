@@ -1,6 +1,6 @@
 """Fixtures for servicekit's own tests: a kit schema in this test's database, scratch streams.
 
-The servers come from the `servicekit.testing` plugin (real NATS, real Postgres). Each
+The servers come from the `testkit.plugin` pytest plugin (real NATS, real Postgres). Each
 test gets its own database; the streams made here have names of their own and are
 deleted afterwards, so no test sees another's messages.
 """

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from contracts import streams, subjects
 from contracts.events import EventType
 from servicekit.bus import check_streams, provision_streams
-from servicekit.testing import subscribed, wait_for
+from testkit.probes import subscribed, wait_for
 
 ConnectAs = Callable[..., Awaitable[Client]]
 

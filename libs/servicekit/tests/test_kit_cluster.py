@@ -24,7 +24,7 @@ from contracts import streams
 from servicekit.bus import provision_streams, server_urls
 from servicekit.embedded import NatsCluster, start_nats_cluster
 from servicekit.runtime import require_streams
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 
 @pytest.fixture

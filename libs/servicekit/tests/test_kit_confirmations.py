@@ -22,7 +22,7 @@ from domain.errors import DomainError
 from servicekit.client import CRep, CReq, call
 from servicekit.provenance import FORGED_EVENTS, Confirmations
 from servicekit.sessionlog import SessionLogClient
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 PERSON = "user:ana"
 

@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 
 from contracts import streams, subjects
 from servicekit.consumer import ConsumerSpec, DurableConsumer, Permanent, claim_once
-from servicekit.testing import stream_messages, wait_for
+from testkit.probes import stream_messages, wait_for
 
 from .conftest import Background, RunConsumer
 

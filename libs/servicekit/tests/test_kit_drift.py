@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from servicekit.consumer import ConsumerSpec, DurableConsumer
 from servicekit.metrics import value
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import RunConsumer
 from .test_kit_consumer import (

@@ -22,7 +22,7 @@ from domain.errors import DomainError
 from servicekit.client import CommandFailed, call, parse_reply
 from servicekit.endpoint import MAX_REQUEST_BYTES, Endpoints
 from servicekit.endpoint import Command as EndpointCommand
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 
 class Add(Message):

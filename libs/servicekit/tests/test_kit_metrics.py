@@ -26,7 +26,7 @@ from servicekit.metrics import value
 from servicekit.runtime import Runtime
 from servicekit.service import Service
 from servicekit.settings import ServiceSettings
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 
 class Divide(BaseModel):

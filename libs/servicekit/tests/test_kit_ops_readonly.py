@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from contracts import catalog, streams, subjects
 from contracts.events import EventType
 from servicekit.consumer import ConsumerSpec
-from servicekit.testing import subscribed, wait_for
+from testkit.probes import subscribed, wait_for
 
 from .test_kit_bus_security import ConnectAs, as_user, received
 

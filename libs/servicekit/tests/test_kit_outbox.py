@@ -28,7 +28,7 @@ from servicekit.outbox import (
     retry_delay,
     with_outbox,
 )
-from servicekit.testing import stream_messages, wait_for
+from testkit.probes import stream_messages, wait_for
 
 # The conftest fixtures' shapes (conftest is not importable under --import-mode=importlib).
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]

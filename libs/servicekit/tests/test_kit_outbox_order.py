@@ -35,7 +35,7 @@ from servicekit.outbox import (
     Queued,
     publisher,
 )
-from servicekit.testing import stream_messages, wait_for
+from testkit.probes import stream_messages, wait_for
 
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]
 

@@ -27,7 +27,7 @@ from servicekit.retention import (
     claims_kept_seconds,
 )
 from servicekit.settings import ServiceSettings
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 Background = Callable[[Coroutine[Any, Any, None]], Any]
 

@@ -34,7 +34,7 @@ from servicekit.outbox import with_outbox
 from servicekit.runtime import Runtime
 from servicekit.service import Attempt, Service, session_of_subject
 from servicekit.settings import ServiceSettings
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import KIT_SCHEMA
 

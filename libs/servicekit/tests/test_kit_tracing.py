@@ -28,7 +28,7 @@ from servicekit.endpoint import Endpoints
 from servicekit.logs import add_trace_ids
 from servicekit.outbox import JetStreamPublisher, Outbox, OutboxRelay
 from servicekit.telemetry import current_trace, inject_headers, within
-from servicekit.testing import stream_messages, wait_for
+from testkit.probes import stream_messages, wait_for
 
 Background = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 

@@ -45,13 +45,14 @@ from metering.providers.scripted import (
     ScriptedToolCall,
     ScriptStep,
 )
-from metering.testing import Metering, Starter
 from servicekit.bus import provision_buckets
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
-from servicekit.testing import log_events, running_service, subscribed, wait_for
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.metering import Metering, Starter
+from testkit.probes import log_events, subscribed, wait_for
+from testkit.services import running_service
 
 WORDS = " ".join(f"palavra{i}" for i in range(15))
 

@@ -13,7 +13,7 @@ from contracts.events import Event, EventType
 from contracts.session_events import ForkSession, SessionForkedReply
 from metering.providers.base import ProviderRequest
 from servicekit.client import call
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Driver
 

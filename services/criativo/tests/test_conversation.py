@@ -20,7 +20,7 @@ from contracts.metering import SetLimits, SpendLimits
 from criativo.settings import CriativoSettings
 from servicekit.client import call
 from servicekit.provenance import FORGED_EVENTS
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import WORDS, Driver, StartCriativo
 

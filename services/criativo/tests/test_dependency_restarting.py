@@ -27,9 +27,10 @@ from domain.criativo import readable_reason
 from handoff.app import main as handoff_main
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
-from servicekit.testing import running_service, wait_for
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.probes import wait_for
+from testkit.services import running_service
 
 from .conftest import Driver, RecordingProvider, criativo_settings, fast
 

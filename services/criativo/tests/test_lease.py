@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from criativo.lease import BUCKET, SessionLeases, open_leases
 from servicekit.bus import Bucket, server_urls
 from servicekit.embedded import start_nats_cluster
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import provisioned_leases
 

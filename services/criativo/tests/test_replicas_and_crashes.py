@@ -12,7 +12,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Driver, StartCriativo
 

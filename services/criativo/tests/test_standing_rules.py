@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 
 from contracts.events import Event, EventType
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Driver
 

@@ -20,7 +20,8 @@ from nats.aio.msg import Msg
 
 from contracts import subjects
 from contracts.events import Event
-from servicekit.testing import ServiceProcess, wait_for
+from testkit.probes import wait_for
+from testkit.services import ServiceProcess
 
 from .conftest import Driver
 from .test_dependency_restarting import start_criativo, without_metering

@@ -28,13 +28,14 @@ from gateway.auth import mint
 from gateway.settings import GatewaySettings
 from handoff.app import main as handoff_main
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
-from metering.testing import Starter
 from psychologist.app import main as psychologist_main
 from psychologist.settings import PsychologistSettings
 from servicekit.settings import ServiceSettings
-from servicekit.testing import running_service, wait_for
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.metering import Starter
+from testkit.probes import wait_for
+from testkit.services import running_service
 
 from .browsing import ARGS, CHROMIUM, INSTALLED, Browsing
 

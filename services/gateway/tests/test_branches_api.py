@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Gateway
 

@@ -12,7 +12,7 @@ from playwright.async_api import WebSocketRoute
 
 from contracts.events import EventType
 from metering.providers.scripted import Script
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .browsing import (
     Browsing,

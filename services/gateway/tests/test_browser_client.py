@@ -19,7 +19,7 @@ from contracts.handoff import AcceptReply, Handoff, HandoffDecision, OfferHandof
 from contracts.session_events import AppendedReply, AppendEvent
 from metering.providers.scripted import Script
 from servicekit.client import call
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .browsing import (
     Browsing,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from servicekit.metrics import value
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Gateway, WsClient
 

@@ -18,7 +18,8 @@ from contracts.session_events import AppendedReply, AppendEvent, SessionRef, Ses
 from gateway.auth import mint
 from servicekit.client import call
 from servicekit.metrics import value
-from servicekit.testing import forged_closing, publish_forged, wait_for
+from testkit.forgeries import forged_closing, publish_forged
+from testkit.probes import wait_for
 
 from .conftest import Gateway
 

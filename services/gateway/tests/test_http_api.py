@@ -17,7 +17,7 @@ from gateway.auth import mint
 from gateway.bus import Commands
 from gateway.http import status_of
 from servicekit.metrics import value
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import SECRET, Gateway, WsClient
 

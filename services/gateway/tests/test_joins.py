@@ -15,7 +15,7 @@ from contracts.metering import TurnDelta
 from contracts.session_events import AppendedReply, AppendEvent
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
 from servicekit.client import call
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Gateway, WsClient
 

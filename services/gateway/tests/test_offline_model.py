@@ -20,8 +20,8 @@ from gateway.app import main as gateway_main
 from gateway.settings import GatewaySettings
 from metering.app import build_provider
 from metering.settings import MeteringSettings
-from metering.testing import Starter
-from servicekit.testing import running_service
+from testkit.metering import Starter
+from testkit.services import running_service
 
 from .conftest import SECRET, Gateway
 

@@ -17,7 +17,7 @@ from gateway.app import main as gateway_main
 from gateway.settings import GatewaySettings
 from servicekit.bus import provision_streams
 from servicekit.embedded import start_nats
-from servicekit.testing import running_service
+from testkit.services import running_service
 
 from .conftest import SECRET, Gateway
 

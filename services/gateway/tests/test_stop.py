@@ -11,7 +11,7 @@ import pytest
 
 from contracts.events import EventType
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptStep
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Gateway, WsClient
 

@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from playwright.async_api import Browser, Request, WebSocket
 
 from gateway.auth import mint
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import SECRET, Gateway, WsClient
 

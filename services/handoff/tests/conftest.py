@@ -25,9 +25,10 @@ from contracts.session_events import (
 from handoff.app import main as handoff_main
 from servicekit.client import call
 from servicekit.settings import ServiceSettings
-from servicekit.testing import log_events, outbox_drained, running_service
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.probes import log_events, outbox_drained
+from testkit.services import running_service
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from contracts import subjects
 from contracts.handoff import AcceptReply, ActivateAgent, ActivationReply, HandoffDecision
 from servicekit.client import call
-from servicekit.testing import log_events
+from testkit.probes import log_events
 
 from .conftest import Driver, offered_id
 

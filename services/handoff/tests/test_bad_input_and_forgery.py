@@ -20,7 +20,8 @@ from contracts.handoff import (
 from handoff.handlers import CONSUMER
 from servicekit import metrics, provenance
 from servicekit.client import call
-from servicekit.testing import forged_closing, forgeries_acked, publish_forged, wait_for
+from testkit.forgeries import forged_closing, forgeries_acked, publish_forged
+from testkit.probes import wait_for
 
 from .conftest import Driver
 from .test_offer_lifecycle import activate

@@ -28,7 +28,7 @@ from contracts.handoff import (
     OfferTarget,
 )
 from servicekit.client import CommandFailed, call
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Driver, offered_id
 

@@ -28,11 +28,8 @@ from metering.app import build_provider
 from metering.providers.anthropic import AnthropicProvider
 from metering.providers.base import Progress, ProviderError, ProviderRequest
 from metering.settings import MeteringSettings
-from metering.testing import Starter
 from servicekit.client import call
-from servicekit.testing import subscribed, wait_for
-
-from .fake_messages_api import (
+from testkit.fake_messages_api import (
     MESSAGE_STOP,
     FakeMessagesApi,
     Reply,
@@ -44,6 +41,9 @@ from .fake_messages_api import (
     text_block,
     tool_block,
 )
+from testkit.metering import Starter
+from testkit.probes import subscribed, wait_for
+
 from .test_metering_service import SONNET
 
 REQUEST = ProviderRequest(

@@ -17,7 +17,7 @@ from domain.metering_turn import UsageRecord
 from metering.repository import MeteringRepository
 from metering.sweeper import sweep_once
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 BUDGET, HOLD = 100_000, 1_000
 

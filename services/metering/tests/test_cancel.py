@@ -49,14 +49,20 @@ from metering.providers.base import (
 )
 from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
 from metering.repository import MeteringRepository
-from metering.testing import Metering, Starter
 from metering.turns import TurnRunner
 from servicekit.client import call
 from servicekit.db import create_pool
-from servicekit.testing import subscribed, wait_for
+from testkit.fake_messages_api import (
+    MESSAGE_STOP,
+    FakeMessagesApi,
+    Reply,
+    message_delta,
+    message_start,
+)
+from testkit.fake_messages_api import text_block as sse_text_block
+from testkit.metering import Metering, Starter
+from testkit.probes import subscribed, wait_for
 
-from .fake_messages_api import MESSAGE_STOP, FakeMessagesApi, Reply, message_delta, message_start
-from .fake_messages_api import text_block as sse_text_block
 from .test_metering_service import SONNET
 
 LONG = 60.0

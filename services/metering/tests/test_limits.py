@@ -33,9 +33,9 @@ from domain.metering import Price, estimate_input_tokens, window_start, worst_ca
 from domain.metering_turn import prompt_bytes
 from metering.providers.base import OnText, Progress, Provider, ProviderReply, ProviderRequest
 from metering.providers.scripted import ScriptedProvider
-from metering.testing import TEST_SCRIPT, Metering, Starter
 from servicekit.client import CommandFailed, call
-from servicekit.testing import wait_for
+from testkit.metering import TEST_SCRIPT, Metering, Starter
+from testkit.probes import wait_for
 
 LONG = 60.0
 # The seeded workspace model's list price (µUSD per million tokens).

@@ -36,10 +36,10 @@ from metering.cancels import RunningTurn
 from metering.catalog import Catalog
 from metering.publisher import DeltaPublisher
 from metering.repository import MeteringRepository
-from metering.testing import Metering, Starter
 from servicekit.client import CommandFailed, call
 from servicekit.db import create_pool
-from servicekit.testing import subscribed, wait_for
+from testkit.metering import Metering, Starter
+from testkit.probes import subscribed, wait_for
 
 # The seeded list prices (µUSD per million tokens).
 SEEDED = date(2026, 5, 29)

@@ -28,7 +28,11 @@ from contracts.metering import (
     TurnReply,
 )
 from domain.metering import Price, cost_micros
-from metering.fake_chat_api import (
+from metering.providers.base import Progress, ProviderError, ProviderRequest, estimate_output_tokens
+from metering.providers.openai import OpenAICompatibleProvider, prompt_tokens_estimate
+from metering.providers.openai import build_params as openai_params
+from servicekit.client import CommandFailed, call
+from testkit.fake_chat_api import (
     FakeChatApi,
     Reply,
     error_chunk,
@@ -39,12 +43,8 @@ from metering.fake_chat_api import (
     tool_call_chunks,
     usage_chunk,
 )
-from metering.providers.base import Progress, ProviderError, ProviderRequest, estimate_output_tokens
-from metering.providers.openai import OpenAICompatibleProvider, prompt_tokens_estimate
-from metering.providers.openai import build_params as openai_params
-from metering.testing import Metering, Starter
-from servicekit.client import CommandFailed, call
-from servicekit.testing import wait_for
+from testkit.metering import Metering, Starter
+from testkit.probes import wait_for
 
 from .test_cancel import billed, cancel, order, start, usage_of, watch
 from .test_metering_service import bind

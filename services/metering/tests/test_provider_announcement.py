@@ -8,8 +8,8 @@ from nats.aio.client import Client
 
 from metering.app import build_provider
 from metering.settings import MeteringSettings
-from metering.testing import Starter
 from servicekit.client import announced
+from testkit.metering import Starter
 
 
 async def metering_announces(nc: Client) -> dict[str, str]:

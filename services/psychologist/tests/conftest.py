@@ -36,13 +36,14 @@ from contracts.session_events import (
 )
 from metering.providers.base import OnText, Progress, ProviderReply, ProviderRequest
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
-from metering.testing import Metering, Starter
 from psychologist.app import main as psychologist_main
 from psychologist.settings import PsychologistSettings
 from servicekit.client import call
-from servicekit.testing import log_events, outbox_drained, running_service, wait_for
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.metering import Metering, Starter
+from testkit.probes import log_events, outbox_drained, wait_for
+from testkit.services import running_service
 
 FINISHED = (EventType.ANALYSIS_COMPLETED.value, EventType.ANALYSIS_FAILED.value)
 

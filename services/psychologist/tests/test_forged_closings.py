@@ -15,7 +15,8 @@ from contracts.psychologist import HypothesesReply, ListHypotheses
 from psychologist.handlers import CONSUMER
 from servicekit import provenance
 from servicekit.client import call
-from servicekit.testing import forged_closing, forgeries_acked, publish_forged, wait_for
+from testkit.forgeries import forged_closing, forgeries_acked, publish_forged
+from testkit.probes import wait_for
 
 from .conftest import Driver
 

@@ -16,7 +16,7 @@ from contracts.psychologist import HypothesisDecision, HypothesisReply, Reanalyz
 from contracts.subjects import event_subject
 from metering.providers.scripted import ScriptedToolCall, ScriptStep
 from servicekit.client import CommandFailed, call
-from servicekit.testing import wait_for
+from testkit.probes import wait_for
 
 from .conftest import Driver
 from .test_analysis import emit, hypothesis, script

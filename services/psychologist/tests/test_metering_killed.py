@@ -19,9 +19,10 @@ from nats.aio.client import Client
 
 from contracts.events import EventType
 from psychologist.app import main as psychologist_main
-from servicekit.testing import running_service, wait_for
 from session_events.app import main as log_main
 from session_events.settings import LogSettings
+from testkit.probes import wait_for
+from testkit.services import running_service
 
 from .conftest import FINISHED, LogDriver, psychologist_settings
 

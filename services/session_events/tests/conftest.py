@@ -11,9 +11,9 @@ from nats.aio.client import Client
 from contracts import subjects
 from contracts.session_events import OpenSession, SessionOpenedReply
 from servicekit.client import call
-from servicekit.testing import running_service
 from session_events.app import main
 from session_events.settings import LogSettings
+from testkit.services import running_service
 
 
 @pytest_asyncio.fixture(loop_scope="session")

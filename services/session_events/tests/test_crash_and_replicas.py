@@ -27,7 +27,7 @@ from contracts.session_events import (
 from servicekit.client import call
 from servicekit.consumer import ConsumerSpec, DurableConsumer, claim_once
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
-from servicekit.testing import stream_messages, wait_for
+from testkit.probes import stream_messages, wait_for
 
 
 @pytest_asyncio.fixture(loop_scope="session")

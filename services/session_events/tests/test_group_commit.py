@@ -35,9 +35,9 @@ from domain.errors import DomainError
 from servicekit.client import call
 from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from servicekit.outbox import JetStreamPublisher, OutboxRelay, notify_channel
-from servicekit.testing import stream_messages, wait_for
 from session_events.group_commit import GroupCommit, Pending
 from session_events.repository import LogRepository
+from testkit.probes import stream_messages, wait_for
 
 CHAT = EventType.CHAT_MESSAGE
 

@@ -31,7 +31,7 @@ from contracts.session_events import (
     TerminateSession,
 )
 from servicekit.client import CommandFailed, call
-from servicekit.testing import stream_messages, wait_for
+from testkit.probes import stream_messages, wait_for
 
 
 async def append(

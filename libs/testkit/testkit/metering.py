@@ -1,9 +1,11 @@
 """Pytest fixtures that run metering in the test's process, against its real NATS and
-Postgres (a pytest plugin, loaded with `-p metering.testing` like `servicekit.testing`).
+Postgres (a pytest plugin, loaded with `-p testkit.metering` after `testkit.plugin`).
 
 Used by metering's own tests and by every test that needs model calls (the harness,
 the agents): `start_metering(provider=…)` starts a replica, `metering` is one replica
-running `TEST_SCRIPT`.
+running `TEST_SCRIPT`. This is the one testkit module that imports a service: metering
+is the only door to a model, so whatever a test's agents say goes through it, and the
+fixtures run its real `main` rather than a stand-in.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from metering.cancels import Cancellations
 from metering.providers.base import Provider
 from metering.providers.scripted import Script, ScriptedProvider, ScriptStep
 from metering.settings import MeteringSettings
-from servicekit.testing import running_service
+from testkit.services import running_service
 
 # Steps keyed by agent slug, so each test picks its behaviour by the agent it names.
 TEST_SCRIPT = Script(

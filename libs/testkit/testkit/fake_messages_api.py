@@ -1,5 +1,5 @@
-"""A local fake of the Anthropic Messages API, on `metering.fakes` (the twin of
-`metering.fake_chat_api`).
+"""A local fake of the Anthropic Messages API, on `testkit.fake_sse` (the twin of
+`testkit.fake_chat_api`).
 
 Each request to `POST /v1/messages` takes the next `Reply` from the queue (a 500
 `api_error` when it is empty): a JSON body, or an SSE stream of named events that may
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from metering.fakes import FakeSseServer, ScriptedReply, sse_frame
+from testkit.fake_sse import FakeSseServer, ScriptedReply, sse_frame
 
 MODEL = "claude-sonnet-4-6"
 

@@ -1,5 +1,5 @@
-"""A local fake of the OpenAI Chat Completions API, on `metering.fakes` (test support,
-like `metering.testing`; the twin of the Anthropic fake in metering's tests).
+"""A local fake of the OpenAI Chat Completions API, on `testkit.fake_sse` (the twin of
+`testkit.fake_messages_api`).
 
 Each `POST /v1/chat/completions` takes the next `Reply` from the queue, or, when the
 queue is empty, asks `responder` (given the parsed request) for one: a JSON body, or
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from metering.fakes import FakeSseServer, ScriptedReply, sse_frame
+from testkit.fake_sse import FakeSseServer, ScriptedReply, sse_frame
 
 Chunk = dict[str, Any]
 

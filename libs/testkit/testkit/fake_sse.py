@@ -1,5 +1,4 @@
-"""The HTTP/1.1 + SSE scaffolding of metering's provider fakes (test support, like
-`metering.testing`), plain asyncio on loopback.
+"""The HTTP/1.1 + SSE scaffolding of the fake model APIs, plain asyncio on loopback.
 
 A fake records every request (path, headers, parsed body) and answers it with the
 next scripted reply: a JSON body (any status, any headers such as `retry-after`), or
@@ -11,8 +10,8 @@ before it ended: fewer than the reply had means the client closed the connection
 rather than draining it. The official SDKs are pointed at `base_url`, so their real
 code paths run.
 
-A provider's fake (`metering.fake_chat_api`, the Anthropic one in metering's tests)
-says only what its replies are made of and how their frames are written.
+A provider's fake (`testkit.fake_chat_api`, `testkit.fake_messages_api`) says only
+what its replies are made of and how their frames are written.
 """
 
 from __future__ import annotations
