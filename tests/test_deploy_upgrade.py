@@ -20,9 +20,8 @@ from typing import Any
 import pytest
 
 from contracts import streams
-from devstack import deploygen
 from devstack.deploycheck import build
-from devstack.deploygen import Deployed, deployed_services, migration_job, provision_job
+from devstack.deploygen import Deployed, deployed_services, jobs, migration_job, provision_job
 
 ROOT = Path(__file__).resolve().parent.parent
 HASHED = re.compile(r"^(?P<base>.+)-[0-9a-f]{10}$")
@@ -105,7 +104,7 @@ def test_new_stream_declarations_or_a_new_version_are_a_new_provisioning_job(
         m.setattr(streams, "BUCKETS", [replace(streams.LEASES, ttl_seconds=30.0)])
         assert name(provision_job()) != before
     with monkeypatch.context() as m:
-        m.setattr(deploygen, "version", lambda distribution: "9.9.9")
+        m.setattr(jobs, "version", lambda distribution: "9.9.9")
         assert name(provision_job()) != before
     assert name(provision_job()) == before
 
