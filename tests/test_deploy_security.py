@@ -8,6 +8,7 @@ given its own user and only its own password.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import subprocess
@@ -259,6 +260,61 @@ def test_the_generated_secrets_hold_every_key_the_pods_read(overlay: str) -> Non
     values = [v for s in generated for k, v in s["stringData"].items() if k != "username"]
     assert len(set(values)) == len(values)
     assert again[0]["stringData"] != generated[0]["stringData"]
+
+
+def test_secrets_kept_from_the_cluster_are_filled_in_never_rotated() -> None:
+    from devstack.deploygen import cluster_secrets, deployed_services, secrets_manifest
+
+    services = deployed_services()
+    first = [d for d in yaml.safe_load_all(secrets_manifest(services)) if d]
+    # The cluster as `kubectl get secrets -o yaml` shows it, before a service was added:
+    # one NATS password and one role's Secret missing, and a key of the operator's own.
+    held = {
+        s["metadata"]["name"]: {
+            k: base64.b64encode(v.encode()).decode() for k, v in s["stringData"].items()
+        }
+        for s in first
+    }
+    nats_user = sorted(held["agentbus-nats"])[0]
+    del held["agentbus-nats"][nats_user]
+    role = next(name for name in held if name.startswith("agentbus-pg-"))
+    del held[role]
+    held["agentbus-gateway"]["OPERATORS_OWN"] = "a2VwdA=="
+    listed = {
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": [{"kind": "Secret", "metadata": {"name": n}, "data": d} for n, d in held.items()],
+    }
+
+    kept = cluster_secrets(yaml.safe_dump(listed))
+    filled = [d for d in yaml.safe_load_all(secrets_manifest(services, kept)) if d]
+    by_name = {s["metadata"]["name"]: s for s in filled}
+    assert set(by_name) == {s["metadata"]["name"] for s in first}
+    for name, data in held.items():
+        assert by_name[name]["data"].items() >= data.items(), name  # every value kept
+    assert nats_user in by_name["agentbus-nats"]["data"]  # the missing one made
+    assert set(by_name[role]["data"]) == {"username", "password"}
+    assert "stringData" not in by_name[role]
+
+    # Applied, then filled again from what the cluster then holds: nothing changes.
+    again = secrets_manifest(
+        services,
+        {s["metadata"]["name"]: s["data"] for s in filled},
+    )
+    assert [d for d in yaml.safe_load_all(again) if d] == filled
+
+
+def test_keep_refuses_what_is_not_secrets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from devstack.cli import main
+
+    configmap = tmp_path / "current.yaml"
+    configmap.write_text("kind: ConfigMap\nmetadata: {name: x}\n")
+    assert main(["deploy-config", "--secrets", "--keep", str(configmap)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "expected Secrets" in err and "ConfigMap" in err
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:

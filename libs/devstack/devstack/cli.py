@@ -333,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     deploy.add_argument(
         "--secrets", action="store_true", help="print every k8s Secret with new random values"
     )
+    deploy.add_argument(
+        "--keep",
+        metavar="FILE",
+        type=argparse.FileType("r"),
+        help="with --secrets: keep the values of these Secrets (`kubectl get secrets -o yaml`, "
+        "- for stdin) and make only the missing ones",
+    )
     made = sub.add_parser(
         "secrets",
         aliases=["nats-passwords"],
@@ -378,7 +385,16 @@ def main(argv: list[str] | None = None) -> int:
         from devstack import deploygen
 
         if args.secrets:
-            print(deploygen.secrets_manifest(deploygen.deployed_services()), end="")
+            keep = None
+            if args.keep is not None:
+                with args.keep:
+                    held = args.keep.read()
+                try:
+                    keep = deploygen.cluster_secrets(held)
+                except ValueError as exc:
+                    print(f"--keep {args.keep.name}: {exc}", file=sys.stderr)
+                    return 2
+            print(deploygen.secrets_manifest(deploygen.deployed_services(), keep), end="")
             return 0
         if args.write:
             for path in deploygen.write(Path.cwd()):

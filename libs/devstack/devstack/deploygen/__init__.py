@@ -31,7 +31,7 @@ blocks), `files` (every file, written or checked).
 from __future__ import annotations
 
 from devstack.deploygen.compose import compose_file
-from devstack.deploygen.credentials import compose_secrets, secrets_manifest
+from devstack.deploygen.credentials import cluster_secrets, compose_secrets, secrets_manifest
 from devstack.deploygen.files import generated_files, k8s_files, stale, write
 from devstack.deploygen.jobs import content_hash, migration_job, provision_job
 from devstack.deploygen.model import (
@@ -55,6 +55,7 @@ __all__ = [
     "SIZING",
     "Deployed",
     "Sizing",
+    "cluster_secrets",
     "compose_file",
     "compose_secrets",
     "content_hash",

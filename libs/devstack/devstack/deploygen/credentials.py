@@ -1,9 +1,16 @@
 """Every secret the deployment reads, made with new random values: the k8s Secrets
-(`agentbus deploy-config --secrets`) and docker-compose's .env (`agentbus secrets`)."""
+(`agentbus deploy-config --secrets`) and docker-compose's .env (`agentbus secrets`).
+
+A running deployment's Secrets are filled in, never rotated (`--keep`): given the
+Secrets the cluster holds, every value there is kept and only what is missing — a new
+service's NATS password or database role, a Secret not created yet — is made, so one
+`kubectl apply` after adding a service is the whole secrets step."""
 
 from __future__ import annotations
 
+import base64
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -14,8 +21,12 @@ from servicekit.natsconf import password_variable
 from servicekit.permissions import ADMIN, USERS
 
 
-def secrets_manifest(services: list[Deployed]) -> str:
-    """Every Secret the deployment reads, with new random values (`--secrets`)."""
+def secrets_manifest(
+    services: list[Deployed], keep: Mapping[str, Mapping[str, str]] | None = None
+) -> str:
+    """Every Secret the deployment reads, with new random values (`--secrets`); with
+    `keep` (each Secret's `data` as the cluster holds it, `cluster_secrets`), those
+    values are kept and only the missing ones are new."""
     docs: list[dict[str, Any]] = [
         {
             "apiVersion": "v1",
@@ -62,7 +73,38 @@ def secrets_manifest(services: list[Deployed]) -> str:
                 "stringData": {"username": s.name, "password": secrets.token_urlsafe(24)},
             }
         )
+    if keep is not None:
+        docs = [_filled(doc, keep.get(doc["metadata"]["name"], {})) for doc in docs]
     return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def _filled(doc: dict[str, Any], held: Mapping[str, str]) -> dict[str, Any]:
+    """The Secret as `data` (what `kubectl get` shows): the values the cluster holds, kept
+    (keys of its own included), and a new one for each key it lacks. Whole, so that
+    `kubectl apply` of it, again and again, changes nothing once nothing is missing."""
+    made = {key: _b64(value) for key, value in doc.pop("stringData").items()}
+    return {**doc, "data": {**made, **held}}
+
+
+def _b64(value: str) -> str:
+    return base64.b64encode(value.encode()).decode()
+
+
+def cluster_secrets(text: str) -> dict[str, dict[str, str]]:
+    """Each Secret's `data` from `kubectl get secrets -o yaml` (a `List`) or a stream of
+    Secret documents; anything else is refused, so a wrong file rotates nothing."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not YAML: {exc}") from None
+    items = [i for d in docs for i in (d.get("items", []) if d.get("kind") == "List" else [d])]
+    held: dict[str, dict[str, str]] = {}
+    for item in items:
+        if not isinstance(item, dict) or item.get("kind") != "Secret":
+            found = item.get("kind") if isinstance(item, dict) else type(item).__name__
+            raise ValueError(f"expected Secrets (kubectl get secrets -o yaml), found {found}")
+        held[item["metadata"]["name"]] = dict(item.get("data") or {})
+    return held
 
 
 def compose_secrets() -> str:
