@@ -1,6 +1,7 @@
 """Branches in Chromium: Edit on a message opens a branch with the edited text, which is
 answered there; the switcher goes back to the parent, unchanged, which lists the
-branch; Retry on an answer opens a branch that sends the same message again."""
+branch; Retry on an answer opens a branch that sends the same message again; a
+branch shows its parent's handoff offer with nothing to decide there."""
 
 from __future__ import annotations
 
@@ -47,4 +48,30 @@ async def test_edit_lands_in_a_branch_and_the_parent_is_unchanged(
     await page.wait_for_url(lambda url: parent not in url and branch not in url)
     await responses(page, 1)
     assert (await chat_texts(page))[0] == ("user", "uma padaria de bairro")
+    assert problems == []
+
+
+@pytest.mark.timeout(180)
+async def test_a_branch_shows_the_parents_offer_without_deciding_it(
+    gateway: Gateway, browser: Browsing
+) -> None:
+    page, problems = await criativo_page(gateway, browser)
+    parent = page.url.split("id=")[1]
+    await say(page, "uma padaria de bairro")
+    await responses(page, 1)
+    await page.click("#ready")
+    offer = page.locator(".divider", has_text="Handoff: criativo")
+    await offer.locator("button", has_text="Accept").wait_for(timeout=30_000)
+    await say(page, "com entrega em casa")
+    await responses(page, 2)
+
+    # Edit the message after the offer: the branch's log holds a copy of the offer.
+    await page.locator(".msg-actions .edit").nth(1).click()
+    await page.fill(".edit-form textarea", "só retirada no balcão")
+    await page.click(".edit-form button[type=submit]")
+    await page.wait_for_url(lambda url: "id=" in url and parent not in url)
+    copied = page.locator(".divider", has_text="(offered in the parent session)")
+    await copied.wait_for(timeout=30_000)
+    assert await copied.locator("button").count() == 0
+    await shot(page, "branch-with-the-parents-offer")
     assert problems == []

@@ -264,10 +264,17 @@ function onContent(e) {
       break;
     }
     case "handoff.offered": {
-      const accept = el("button", { onclick: () => decide("accept_handoff", p.handoff_id) }, "Accept");
-      const reject = el("button", { onclick: () => decide("reject_handoff", p.handoff_id) }, "Reject");
-      chat.append(el("div", { class: "divider", id: `handoff-${p.handoff_id}`, role: "group", "aria-label": "Handoff offer" },
-        `Handoff: ${p.from_agent} → ${p.to_agent} `, accept, " ", reject));
+      const divider = el("div", { class: "divider", id: `handoff-${p.handoff_id}`, role: "group", "aria-label": "Handoff offer" },
+        `Handoff: ${p.from_agent} → ${p.to_agent} `);
+      if (e.copied_from) {
+        // A branch's copy of its parent's offer: the offer is the parent's to decide.
+        divider.append("(offered in the parent session)");
+      } else {
+        const accept = el("button", { onclick: () => decide("accept_handoff", p.handoff_id) }, "Accept");
+        const reject = el("button", { onclick: () => decide("reject_handoff", p.handoff_id) }, "Reject");
+        divider.append(accept, " ", reject);
+      }
+      chat.append(divider);
       break;
     }
     case "handoff.accepted": case "handoff.rejected": case "handoff.superseded": {
