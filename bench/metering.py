@@ -31,8 +31,8 @@ latency there spans the whole real path (the HTTP hop, the SDK's parsing, meteri
 NATS hop); "after metering's read" is the part from metering's read of the text on. What
 one read of a stream gives is published as fewer deltas when metering falls behind: the
 bench prints deltas per token and metering's CPU per delta. The SDK's parsing is
-metering's CPU, so the goals are checked on the scripted provider only, and the real
-providers run at 1 and 50 streams.
+metering's CPU, so the goals are checked on the scripted provider only; the Anthropic
+provider runs at 1 and 50 streams.
 
 By default the scripted and the Anthropic providers run in the same run, one metering
 process after the other, and a table sets them side by side with their ratios.
@@ -94,9 +94,9 @@ from servicekit.client import call
 from testkit.fake_sse import FakeSseServer, R
 
 LEVELS = (1, 50, 200)
-# An HTTP provider's SDK parses every event in metering's process: 200 streams of it would
-# take the default run (both providers) well past a few minutes on two cores.
-REAL_LEVELS = (1, 50)
+# The Anthropic SDK parses every event in metering's process: 200 streams of it would take
+# the default run (both providers) well past a few minutes on two cores.
+ANTHROPIC_LEVELS = (1, 50)
 PROVIDERS = ("scripted", "anthropic", "openai")
 # Streams measured per level (the single-stream level runs its streams one after another).
 STREAMS_PER_LEVEL = {1: 20, 50: 100, 200: 200}
@@ -349,7 +349,7 @@ async def measure(
     nats_group = {"nats": [srv.nats_pid]} if srv.nats_pid is not None else {}
     print(f"\n{provider} provider (metering pid {procs[0].pid}):", flush=True)
     levels: dict[int, Level] = {}
-    for level in LEVELS if provider == "scripted" else REAL_LEVELS:
+    for level in ANTHROPIC_LEVELS if provider == "anthropic" else LEVELS:
         streams = STREAMS_PER_LEVEL[level]
         base, measured = Receiver(), Receiver()
         base.expected = measured.expected = tokens
