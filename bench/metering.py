@@ -91,6 +91,8 @@ from contracts.metering import (
     TurnReply,
 )
 from servicekit.client import call
+from testkit import fake_chat_api as chat
+from testkit import fake_messages_api as messages
 from testkit.fake_sse import FakeSseServer, R
 
 LEVELS = (1, 50, 200)
@@ -247,9 +249,6 @@ async def serve_fake(provider: str, tokens: int, delay_s: float) -> None:
     words, one event each, written `delay_s` apart (the first one too, as the scripted
     provider waits before its first token); prints its base URL and serves until its stdin
     closes."""
-    from testkit import fake_chat_api as chat
-    from testkit import fake_messages_api as messages
-
     words = [f"w{i}{STAMP.decode()} " for i in range(tokens)]
     fake: FakeSseServer[Any]
     if provider == "anthropic":
@@ -445,7 +444,8 @@ async def run(tokens: int, delay_ms: float, providers: list[str]) -> int:
         print()
         print("\n".join(cpu_table(roles, cpu_rows, name_width=9)).replace("per op", "per token"))
         if len(results) > 1:
-            print("\nside by side (latencies in ms; ratios to the first provider's):")
+            ratios = "; ratios to the scripted provider's" if "scripted" in results else ""
+            print(f"\nside by side (latencies in ms{ratios}):")
             print("\n".join(side_by_side(results)))
         print("goals:")
         print("\n".join(goals.report()))
@@ -467,7 +467,8 @@ def main() -> None:
     parser.add_argument("--provider", choices=PROVIDERS, action="append",
                         help="repeatable; default: scripted and anthropic")  # fmt: skip
     args = parser.parse_args()
-    providers = list(dict.fromkeys(args.provider or ["scripted", "anthropic"]))
+    chosen = args.provider or ["scripted", "anthropic"]
+    providers = [p for p in PROVIDERS if p in chosen]  # scripted first: the ratios' base
     sys.exit(uvloop.run(run(args.tokens, args.delay_ms, providers)))
 
 
