@@ -15,7 +15,7 @@ whole machine's, and `÷pg` the total CPU per append ÷ the CPU per `pg` insert.
 `nproc` is CPU-bound and the split says where the time goes; a machine figure far above ours
 means something else ran. Absolute figures drift: read ratios.
 
-Goal (issue 12): appends/s ≥ 1.0× `pg` at 32 producers (stretch 2×); the script exits 1 when
+Goal: appends/s ≥ 1.0× `pg` at 32 producers (stretch 2×); the script exits 1 when
 it is missed or the log's invariants do not hold. `--py-spy DIR` profiles the (first) service
 process during the `append` run at the most producers and prints its top frames.
 """

@@ -73,7 +73,7 @@ def servers(prefix: str = "agentbus-bench-") -> Iterator[Servers]:
             pg_server = start_postgres(state)
             stack.callback(pg_server.stop)
             pg_url = pg_server.url
-        # Services only check the streams (issue 11): provision them as `make up` does.
+        # Services only check the streams: provision them as `make up` does.
         subprocess.run(
             [sys.executable, "-m", "devstack", "provision"],
             env={**os.environ, "NATS_URL": nats_url},

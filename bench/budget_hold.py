@@ -10,13 +10,13 @@ its run before the provider is called (docs/decisions/0006-limits-in-the-reserva
   save, COMMIT: four round trips), the way a replica that does not know the run's row
   reserves;
 - one statement: `hold_if_unchanged` on the row as this replica last wrote it (the run's
-  previous turn), what metering does on its hot path since issue 12.
+  previous turn), what metering does on its hot path.
 
-The bill, after the call (issue 12): the usage row, the settled hold and the run's spend.
+The bill, after the call: the usage row, the settled hold and the run's spend.
 - baseline: a bare INSERT of the usage row alone (autocommit: one round trip), the floor
   of writing anything;
-- one statement: `MeteringRepository.bill` (before issue 12: six round trips, BEGIN, lock
-  the run, insert, settle, save, COMMIT).
+- one statement: `MeteringRepository.bill`, against the six round trips of doing it
+  step by step (BEGIN, lock the run, insert, settle, save, COMMIT).
 
 Interleaved rounds, so both ways see the same machine; latency and CPU ms per operation
 (this process and Postgres). Exits non-zero when the reservation's one statement is not

@@ -1,4 +1,4 @@
-"""The whole system the way a deployment runs it, while things die (issue 13).
+"""The whole system the way a deployment runs it, while things die.
 
 A 3-node JetStream cluster (`servicekit.embedded.start_nats_cluster`: routes on loopback,
 `sync_interval: always`, every stream on 3 nodes), the embedded Postgres, and two

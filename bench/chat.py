@@ -28,7 +28,7 @@ and after half a second idle: the spread scenario's turns mostly find the machin
 against a baseline measured in the same run: a raw NATS publish→subscribe hop of the
 same deltas, from another process, at the same rate and concurrency. Every service
 runs as its own process (`python -m …`, metering on a scripted provider), as under
-`make up`. Goals (issue 12): first delta p99 ≤ 10 ms at 50 sessions, ≤ 25 ms at 200,
+`make up`. Goals: first delta p99 ≤ 10 ms at 50 sessions, ≤ 25 ms at 200,
 spread arrivals; the bench exits non-zero when one is missed. `--py-spy DIR` profiles
 criativo, metering and session_events during each scenario and prints their top frames.
 
@@ -90,7 +90,7 @@ from contracts.session_events import (
 from servicekit.client import call
 
 LEVELS = (1, 50, 200)
-# Issue 12: append → first delta overhead, p99 ms, by concurrent sessions.
+# The goal: append → first delta overhead, p99 ms, by concurrent sessions.
 FIRST_DELTA_GOAL_MS = {50: 10.0, 200: 25.0}
 PROJECT = "bench"
 SERVICES = ("session_events", "handoff", "metering", "criativo")

@@ -1,6 +1,6 @@
 """What the 3-node JetStream cluster costs a write: acknowledged publishes per second
 into an R3 stream on three clustered nodes with `sync_interval: always` (the production
-shape, issue 13), against the same load into an R1 stream on one node with the default
+shape), against the same load into an R1 stream on one node with the default
 lazy fsync, measured in the same run; and each with one node's CPU per message.
 
     .venv/bin/python bench/cluster.py [--publishers 1,32] [--seconds 5] [--size 512]

@@ -25,7 +25,7 @@ deltas in windows that needed more cores than there are, and of those that did n
 the deltas that reached the bus before their turn's message reached the client (held
 behind the message: the client gets the message first).
 
-Goals (issue 12), checked at every level; the exit status is 1 when one is missed:
+Goals, checked at every level; the exit status is 1 when one is missed:
 per-token p99 ≤ 50 ms; ≤ 0.15 ms CPU per token on the gateway path (the processes a token
 crosses after metering published it: NATS and the gateway; the table shows every
 process); ≤ 40 KiB RSS per joined connection. With an embedded NATS server it also prints

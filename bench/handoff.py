@@ -1,4 +1,4 @@
-"""Handoff offers per second and their latency (issue 3), with a baseline measured in the same run.
+"""Handoff offers per second and their latency, with a baseline measured in the same run.
 
 `python -m session_events` and `python -m handoff` run as their own processes; closed-loop
 clients (each sends its next offer after the previous reply) send `cmd.handoffs.offer` as
@@ -23,7 +23,7 @@ At the end the handoff schema is checked: no (project, target) has more than one
 row, the outbox drained, and the log holds one `handoff.offered` event per handoff row and one
 `handoff.superseded` event per superseded row.
 
-Goal (issue 12): offer-1t and offer-<T>t ≥ 0.5× their baseline; the script exits 1 when a
+Goal: offer-1t and offer-<T>t ≥ 0.5× their baseline; the script exits 1 when a
 goal is missed or a check fails. `--py-spy DIR` profiles the handoff and session_events
 processes during one scenario (`--profile`, offer-1t by default) and prints their top frames.
 

@@ -19,7 +19,7 @@ a raw NATS publish→subscribe hop, from another process, of the same delta mess
 at the same rate and concurrency. Metering runs as its own process (`python -m
 metering`, scripted provider), as under `make up`.
 
-Goals (issue 12): per token ≤ 0.15 ms CPU across the processes, p99 added latency
+Goals: per token ≤ 0.15 ms CPU across the processes, p99 added latency
 ≤ 3 ms at 200 streams; the bench exits non-zero when one is missed.
 
 `--provider anthropic` / `--provider openai`: the same streams from a provider's HTTP+SSE
@@ -103,7 +103,7 @@ PROVIDERS = ("scripted", "anthropic", "openai")
 # Streams measured per level (the single-stream level runs its streams one after another).
 STREAMS_PER_LEVEL = {1: 20, 50: 100, 200: 200}
 SUBJECT_ROOT = "agent.delta.bench"
-# Issue 12, at 200 streams: CPU per token across the processes; p99 added latency.
+# The goals, at 200 streams: CPU per token across the processes; p99 added latency.
 CPU_PER_TOKEN_GOAL_MS = 0.15
 PER_TOKEN_P99_GOAL_MS = 3.0
 

@@ -5,7 +5,7 @@ replica delivers them (holding the session's key), every other replica's claim p
 over each of those rows, asking whether a row of its key waits for a retry. Asked of
 each row as "does an older row of its key wait", with the planner's choice of index,
 that read every older row of the key: n²/2 index reads per claim, 33 s for 20,000 rows
-on the machine of issue 12, while the relay delivered nothing else. The claim now reads
+on a 2-core machine, while the relay delivered nothing else. The claim now reads
 the waiting keys once (`servicekit.outbox.CLAIM`).
 
 Per backlog size (rows of one key, held by a transaction standing in for the other

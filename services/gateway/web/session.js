@@ -2,7 +2,7 @@
 // The session page: chat streaming token by token, rule cards (each removed or edited by
 // the person; only standing rules shown), readiness, the brief
 // being written then its card, the handoff divider, agent errors, Stop, and the event
-// log (?highlightEvent=<id>). Under real use (issue 10): a reconnect replays the deltas
+// log (?highlightEvent=<id>). Under real use: a reconnect replays the deltas
 // of the turn in flight, so deltas are kept by (turn_id, seq) and each shown once; a
 // message typed while disconnected waits, shown as pending, and is sent on reconnect
 // with its `client_msg_id` (the gateway appends it once however often it is sent).
