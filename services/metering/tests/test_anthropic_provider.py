@@ -469,3 +469,40 @@ async def test_a_streamed_reply_builds_no_sdk_model_per_event(
     await llm.close()
     assert reply.content == [TextBlock(text="a b c")]
     assert built == []
+
+
+class CountingFake(FakeMessagesApi):
+    """Counts the connections clients open; holds every request until `gate` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connections = 0
+        self.gate = asyncio.Event()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        await super()._serve(reader, writer)
+
+    async def _one_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        await self.gate.wait()
+        return await super()._one_request(reader, writer)
+
+
+async def test_a_burst_of_calls_reuses_the_connections_of_the_burst_before() -> None:
+    # As many calls at once as the replica runs (`connections`; the SDK's own pool keeps
+    # 100): a burst opening connections anew pays a TLS handshake each against the real
+    # API before its first token.
+    burst = 6
+    fake = await CountingFake().start()
+    fake.replies.extend(Reply(body=message_body("hi", 5, 1)) for _ in range(2 * burst))
+    llm = AnthropicProvider(api_key="test-key", base_url=fake.base_url, connections=burst)
+    first = [asyncio.create_task(llm.complete(REQUEST, Progress(), None)) for _ in range(burst)]
+    await wait_for(lambda: fake.connections == burst, what="a connection per call")
+    fake.gate.set()
+    await asyncio.gather(*first)
+    await asyncio.gather(*(llm.complete(REQUEST, Progress(), None) for _ in range(burst)))
+    await llm.close()
+    await fake.stop()
+    assert fake.connections == burst

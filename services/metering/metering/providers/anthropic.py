@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
-from anthropic import APIConnectionError, APIStatusError, AsyncAnthropic
+from anthropic import APIConnectionError, APIStatusError, AsyncAnthropic, DefaultAsyncHttpxClient
 from anthropic.types import Message as SdkMessage
 
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
 from metering.providers.base import (
+    DEFAULT_CONNECTIONS,
     OnText,
     Progress,
     ProviderError,
@@ -47,6 +48,7 @@ from metering.providers.base import (
     ProviderRequest,
     connection_failed,
     estimate_output_tokens,
+    http_limits,
     retry_after,
     sse_data,
     traced,
@@ -268,10 +270,15 @@ class AnthropicProvider:
         max_retries: int = 4,
         timeout: float = 600.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
         # max_retries=0: `with_retries` decides, knowing whether text went out.
         self._client = AsyncAnthropic(
-            api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout
+            api_key=api_key,
+            base_url=base_url,
+            max_retries=0,
+            timeout=timeout,
+            http_client=DefaultAsyncHttpxClient(limits=http_limits(connections)),
         )
         self._max_retries = max_retries
         self._sleep = sleep

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
+import httpx2
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
@@ -26,6 +27,15 @@ from servicekit.telemetry import tracer, tracing_on
 
 # A server asking for a longer wait than this is answered with an error now.
 MAX_RETRY_AFTER_SECONDS = 60.0
+
+# The provider connections a replica opens at most (the SDKs' own limit).
+MAX_CONNECTIONS = 1000
+# Calls a replica runs at once, unless told: a metering endpoint's default concurrency.
+DEFAULT_CONNECTIONS = 256
+# How long an idle connection to the provider is kept: a person answers in tens of
+# seconds, and a connection opened per turn costs a TLS handshake (CPU and round trips)
+# before the turn's first token.
+KEEPALIVE_SECONDS = 60.0
 
 log = get_logger(__name__)
 
@@ -164,6 +174,17 @@ class Provider(Protocol):
     async def close(self) -> None:
         """Release connections."""
         ...
+
+
+def http_limits(keep_alive: int) -> httpx2.Limits:
+    """The connection pool of a provider's SDK: `keep_alive` idle connections kept (the
+    calls a replica runs at once), so that a burst of turns as large as a burst before it
+    reuses that one's connections. The SDKs keep 100, for five seconds."""
+    return httpx2.Limits(
+        max_connections=max(MAX_CONNECTIONS, keep_alive),
+        max_keepalive_connections=keep_alive,
+        keepalive_expiry=KEEPALIVE_SECONDS,
+    )
 
 
 # Characters per output token assumed when a stream is cut before its usage arrives.

@@ -33,12 +33,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
-from openai import APIConnectionError, APIError, APIStatusError, AsyncOpenAI
+from openai import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    AsyncOpenAI,
+    DefaultAsyncHttpxClient,
+)
 from pydantic import ValidationError
 
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
 from metering.providers.base import (
+    DEFAULT_CONNECTIONS,
     OnText,
     Progress,
     ProviderError,
@@ -46,6 +53,7 @@ from metering.providers.base import (
     ProviderRequest,
     connection_failed,
     estimate_output_tokens,
+    http_limits,
     retry_after,
     sse_data,
     traced,
@@ -282,10 +290,15 @@ class OpenAICompatibleProvider:
         max_retries: int = 4,
         timeout: float = 600.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
         # max_retries=0: `with_retries` decides, knowing whether text went out.
         self._client = AsyncOpenAI(
-            api_key=api_key or NO_KEY, base_url=base_url, max_retries=0, timeout=timeout
+            api_key=api_key or NO_KEY,
+            base_url=base_url,
+            max_retries=0,
+            timeout=timeout,
+            http_client=DefaultAsyncHttpxClient(limits=http_limits(connections)),
         )
         self._max_retries = max_retries
         self._sleep = sleep
