@@ -313,9 +313,9 @@ class AnthropicProvider:
         message = StreamedMessage()
         texts, chars = 0, 0
         try:
-            # Leaving the `async with` (done, failed or cancelled: shutdown, or
-            # `cmd.llm.cancel`) closes the HTTP response: the connection is closed, not
-            # drained. An HTTP error status is raised on entry, as `create` raises it.
+            # An HTTP error status is raised on entry, as `create` raises it. Leaving the
+            # `async with` early (failed, or cancelled: shutdown, or `cmd.llm.cancel`)
+            # closes the HTTP response: the connection is closed, not drained.
             async with self._client.messages.with_streaming_response.create(
                 **params, stream=True
             ) as response:
@@ -339,7 +339,7 @@ class AnthropicProvider:
                 )
         except BaseException:
             # Input and cache tokens are message_start's; output is what the last
-            # message_delta said, unless the text received implies more (see above).
+            # message_delta said, unless the text received implies more (the module's docstring).
             estimate = estimate_output_tokens(texts, chars)
             if estimate > progress.current.output_tokens:
                 progress.current = progress.current.model_copy(update={"output_tokens": estimate})

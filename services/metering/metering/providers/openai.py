@@ -335,8 +335,8 @@ class OpenAICompatibleProvider:
         reply = _Reply()
         texts, chars, opened = 0, 0, False
         try:
-            # Leaving the `async with` closes the HTTP response: a cancel closes the
-            # connection rather than draining it. An HTTP error status is raised on entry.
+            # An HTTP error status is raised on entry. Leaving the `async with` early
+            # closes the HTTP response: a cancel closes the connection, not drains it.
             async with self._client.chat.completions.with_streaming_response.create(
                 **params
             ) as response:
