@@ -8,6 +8,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.resources import files
 from typing import Any
 
 import asyncpg
@@ -24,7 +25,7 @@ from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES, AppendedReply, App
 from domain.errors import DomainError
 from servicekit import metrics, outbox
 from servicekit.consumer import claim_once
-from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
+from servicekit.db import KIT_MIGRATIONS, create_pool, migrate, migration_set
 from servicekit.endpoint import error_reply
 from servicekit.outbox import (
     DELIVERED,
@@ -40,6 +41,8 @@ from servicekit.outbox import (
 from testkit.probes import stream_messages, wait_for
 
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]
+# The migration that gives the outbox its lease columns.
+LEASE_MIGRATION = f"{KIT_MIGRATIONS}:0004_outbox_lease.sql"
 
 
 def dead_letters(subject: str) -> float:
@@ -154,6 +157,18 @@ class StallingSender:
         return results
 
 
+async def stalled_after_one(
+    pool: asyncpg.Pool, nc: Client, *rows: tuple[str, str, str | None]
+) -> tuple[StallingSender, asyncio.Task[int]]:
+    """Commit `rows`, and a relay that claims them (its lease lasting an hour), publishes
+    the first and stalls: its sender, and its drain."""
+    await enqueue_committed(pool, *rows)
+    sender = StallingSender(JetStreamPublisher(nc), stall_at=1)
+    drain = asyncio.create_task(OutboxRelay(pool, sender, lease_seconds=3600).drain_once())
+    await asyncio.wait_for(sender.stalled, 10)
+    return sender, drain
+
+
 async def expire_leases(pool: asyncpg.Pool) -> None:
     """The clock passes the end of every lease held: what the relays see once it has."""
     await pool.execute("UPDATE outbox SET leased_until = now() WHERE lease IS NOT NULL")
@@ -178,13 +193,14 @@ async def test_the_rows_of_a_relay_that_died_holding_a_lease_go_in_order_once_it
 ) -> None:
     _, prefix = stream
     seen, spy = await publishes_seen(nc, prefix)
-    await enqueue_committed(
-        pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.b", "k-2", "K"), (f"{prefix}.a", "l-1", "L")
-    )
     # The relay publishes k-1 and dies: it never deletes, nor sends anything else.
-    dead = StallingSender(JetStreamPublisher(nc), stall_at=1)
-    dying = asyncio.create_task(OutboxRelay(pool, dead, lease_seconds=3600).drain_once())
-    await asyncio.wait_for(dead.stalled, 10)
+    _, dying = await stalled_after_one(
+        pool,
+        nc,
+        (f"{prefix}.a", "k-1", "K"),
+        (f"{prefix}.b", "k-2", "K"),
+        (f"{prefix}.a", "l-1", "L"),
+    )
     await enqueue_committed(pool, (f"{prefix}.a", "k-3", "K"))  # after its claim
     other = OutboxRelay(await make_pool(), JetStreamPublisher(nc))
 
@@ -215,10 +231,9 @@ async def test_a_relay_whose_lease_expired_mid_publish_reorders_nothing(
     # beyond that window, consumers drop it by msg id.
     _, prefix = stream
     seen, spy = await publishes_seen(nc, prefix)
-    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.b", "k-2", "K"))
-    slow = StallingSender(JetStreamPublisher(nc), stall_at=1)
-    late = asyncio.create_task(OutboxRelay(pool, slow, lease_seconds=3600).drain_once())
-    await asyncio.wait_for(slow.stalled, 10)  # k-1 published, k-2 not yet
+    slow, late = await stalled_after_one(
+        pool, nc, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.b", "k-2", "K")
+    )  # k-1 published, k-2 not yet
     await expire_leases(pool)
     await enqueue_committed(pool, (f"{prefix}.a", "k-3", "K"))
     taking_over = StallingSender(JetStreamPublisher(nc), stall_at=0)
@@ -809,3 +824,42 @@ async def test_deliver_now_gives_up_after_its_timeout_and_leaves_the_row_to_the_
     assert not await OutboxRelay(pool, JetStreamPublisher(nc)).deliver_now("K", timeout=1)
     [(msg_id, attempts)] = await waiting(pool)
     assert msg_id == "k-1" and attempts >= 1
+
+
+async def test_an_outbox_from_before_leases_is_upgraded_at_start_and_its_rows_still_go(
+    database_url: str,
+) -> None:
+    # A service's schema as the last release left it: every kit migration before the
+    # lease, and a committed row its relay had not delivered yet.
+    schema = f"before_lease_{uuid.uuid4().hex[:8]}"
+    checksums = migration_set([KIT_MIGRATIONS])
+    pool = await create_pool(database_url, schema)
+    try:
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute(f'CREATE SCHEMA "{schema}"')
+            await conn.execute(
+                f"""CREATE TABLE "{schema}".schema_migrations (
+                        name text PRIMARY KEY, checksum text NOT NULL,
+                        applied_at timestamptz NOT NULL DEFAULT now())"""
+            )
+            for name in (n for n in checksums if n < LEASE_MIGRATION):
+                await conn.execute((files(KIT_MIGRATIONS) / name.split(":")[1]).read_text())
+                await conn.execute(
+                    "INSERT INTO schema_migrations (name, checksum) VALUES ($1, $2)",
+                    name,
+                    checksums[name],
+                )
+        await pool.execute(
+            """INSERT INTO outbox (subject, msg_id, body, ordering_key)
+               VALUES ('s.a', 'old', '{}', 'K')"""
+        )
+
+        assert LEASE_MIGRATION in await migrate(pool, schema, [KIT_MIGRATIONS])
+
+        sender = RecordingSender()
+        assert await OutboxRelay(pool, sender).drain_once() == 1
+        assert sender.sent == ["old"]
+        assert await waiting(pool) == []
+    finally:
+        await pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await pool.close()
