@@ -34,6 +34,7 @@ def build_provider(settings: MeteringSettings, script: Script | None = None) -> 
             base_url=settings.anthropic_base_url,
             max_retries=settings.provider_max_retries,
             timeout=settings.provider_timeout_seconds,
+            connections=settings.endpoint_concurrency,
         )
     if script is None:
         script = Script.from_file(settings.script_path) if settings.script_path else DEFAULT_SCRIPT
@@ -67,6 +68,7 @@ def build_providers(settings: MeteringSettings, default: Provider) -> Providers:
         base_url=settings.openai_base_url,
         max_retries=settings.provider_max_retries,
         timeout=settings.provider_timeout_seconds,
+        connections=settings.endpoint_concurrency,
     )
     return Providers(default, openai)
 
