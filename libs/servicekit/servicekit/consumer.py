@@ -86,6 +86,11 @@ class ConsumerSpec:
     # The server's AckWait (its default, 30 s, when None). With BackOff set, a message
     # held unacknowledged is redelivered after its backoff step, not after AckWait.
     ack_wait: float | None = None
+    # The least time the server gives a held message before delivering it again (its
+    # holder dead or stalled): each step of the server's schedule is at least this, while
+    # a nak's delay still follows `backoff`. A holder reports its messages in progress
+    # within it (`keep_alive_interval`), a message each time; None: the backoff steps.
+    redeliver_held_after: float | None = None
     # Pullers of this durable per replica, each handling one fetched batch at a time.
     workers: int = 1
     # How often the consumer is compared with this declaration, and put back if it
@@ -100,16 +105,24 @@ class ConsumerSpec:
             deliver_policy=self.deliver_policy,
             filter_subjects=list(self.filter_subjects),
             max_deliver=self.max_deliver,
-            backoff=list(self.backoff[: self.max_deliver - 1]),
+            backoff=self.redelivery[: self.max_deliver - 1],
             max_ack_pending=1000,
             ack_wait=self.ack_wait,
         )
 
     @property
+    def redelivery(self) -> list[float]:
+        """The server's schedule (its BackOff): how long the n-th delivery of a message may
+        be held unsettled before the server delivers it again."""
+        least = self.redeliver_held_after or 0.0
+        return [max(step, least) for step in self.backoff]
+
+    @property
     def keep_alive_interval(self) -> float:
-        """How often a held message is reported in progress: well within both the backoff
-        step (the server's redelivery time with BackOff) and AckWait."""
-        limit = min(self.backoff[0], self.ack_wait or self.backoff[0])
+        """How often a held message is reported in progress: well within both the first
+        step of the server's schedule (its redelivery time with BackOff) and AckWait."""
+        first = self.redelivery[0]
+        limit = min(first, self.ack_wait or first)
         return max(limit / 3, 0.05)
 
     def delay_after(self, deliveries: int) -> float:
