@@ -212,6 +212,7 @@ class DurableConsumer:
             watch.cancel()
             for task in list(self._inflight):
                 task.cancel()
+            await self._hand_back()
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
                 await sub.unsubscribe()
@@ -285,10 +286,24 @@ class DurableConsumer:
         await self._handle_held(msg)
 
     async def _handle_held(self, msg: Msg) -> None:
+        stopping = False
         try:
             await self._handle(msg)
+        except asyncio.CancelledError:
+            stopping = True  # still held, so the consumer hands it back (`_hand_back`)
+            raise
         finally:
-            self._held.pop(id(msg), None)
+            if not stopping:
+                self._held.pop(id(msg), None)
+
+    async def _hand_back(self) -> None:
+        """Stopping: every message held and not settled goes back to JetStream now, for a
+        replica that stays, rather than after the server's redelivery time. One whose
+        effect committed before its ack went out is redelivered to a handler that is
+        idempotent, as after any late ack."""
+        for msg, _ in list(self._held.values()):
+            with contextlib.suppress(Exception):  # the connection gone: the server's time
+                await msg.nak()
 
     async def _keep_alive(self) -> None:
         """With BackOff set, JetStream's ack wait is `backoff[0]`: a handler that runs longer

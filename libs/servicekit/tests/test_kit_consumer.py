@@ -20,7 +20,7 @@ from contracts import streams, subjects
 from servicekit.consumer import ConsumerSpec, DurableConsumer, Permanent, claim_once
 from testkit.probes import stream_messages, wait_for
 
-from .conftest import Background, RunConsumer
+from .conftest import Background, RunConsumer, stop
 
 # Starts a DurableConsumer in the background (stopped at the end of the test).
 
@@ -425,3 +425,33 @@ async def test_a_message_held_within_the_least_redelivery_time_is_neither_report
     assert await dead_letters(pool) == []
     info = await consumer_info(js, spec)
     assert info is not None and info.config.backoff == [5.0, 5.0]
+
+
+async def test_a_consumer_stopping_hands_what_it_holds_to_another_replica_at_once(
+    js: JetStreamContext,
+    nc: Client,
+    pool: asyncpg.Pool,
+    stream: tuple[str, str],
+    background: Background,
+) -> None:
+    # A replica restarting (a deploy) with a message in hand: the replica that stays takes
+    # it now, not after the server's least redelivery time (here far beyond the wait).
+    _, prefix = stream
+    spec = replace(spec_for(stream), redeliver_held_after=120.0)
+    calls = Calls()
+    taken = asyncio.Event()
+
+    async def handler(msg: Msg) -> None:
+        calls.record(msg)
+        if msg.metadata.num_delivered == 1:
+            taken.set()
+            await asyncio.Event().wait()  # held until its replica stops
+
+    first = background(DurableConsumer(nc, js, pool, spec, handler).run())
+    await publish(js, f"{prefix}.a", "m-1")
+    await asyncio.wait_for(taken.wait(), 15)
+    await stop(first)
+    background(DurableConsumer(nc, js, pool, spec, handler).run())
+
+    await wait_for(lambda: settled(js, spec, 1), timeout=30, what="the message handed over")
+    assert calls.of(f"{prefix}.a") == [1, 2]
