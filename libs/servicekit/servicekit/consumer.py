@@ -290,7 +290,10 @@ class DurableConsumer:
         try:
             await self._handle(msg)
         except asyncio.CancelledError:
-            stopping = True  # still held, so the consumer hands it back (`_hand_back`)
+            # This task told to stop (not a cancelled future it awaited): the consumer is
+            # stopping, and hands the message back (`_hand_back`) while it is held.
+            task = asyncio.current_task()
+            stopping = task is not None and task.cancelling() > 0
             raise
         finally:
             if not stopping:
@@ -301,14 +304,16 @@ class DurableConsumer:
         replica that stays, rather than after the server's redelivery time. One whose
         effect committed before its ack went out is redelivered to a handler that is
         idempotent, as after any late ack."""
-        for msg, _ in list(self._held.values()):
+        held, self._held = list(self._held.values()), {}
+        for msg, _ in held:
             with contextlib.suppress(Exception):  # the connection gone: the server's time
                 await msg.nak()
 
     async def _keep_alive(self) -> None:
-        """With BackOff set, JetStream's ack wait is `backoff[0]`: a handler that runs longer
-        (an LLM turn, an analysis), or a message waiting for its turn, would be redelivered
-        — to another replica — while it is still held, unless `in_progress` resets the timer.
+        """With BackOff set, JetStream's ack wait is its first step (`redelivery`): a
+        handler that runs longer (an LLM turn, an analysis), or a message waiting for its
+        turn, would be redelivered — to another replica — while it is still held, unless
+        `in_progress` resets the timer.
         """
         interval = self.spec.keep_alive_interval
         while True:

@@ -455,3 +455,32 @@ async def test_a_consumer_stopping_hands_what_it_holds_to_another_replica_at_onc
 
     await wait_for(lambda: settled(js, spec, 1), timeout=30, what="the message handed over")
     assert calls.of(f"{prefix}.a") == [1, 2]
+
+
+async def test_a_handler_ended_by_a_cancelled_future_leaves_its_message_for_redelivery(
+    js: JetStreamContext,
+    nc: Client,
+    pool: asyncpg.Pool,
+    stream: tuple[str, str],
+    background: Background,
+) -> None:
+    # Only a consumer that stops keeps what it holds, to hand it back: a handler that
+    # ends on a cancelled future it awaited (an actor stopped under it) leaves the
+    # message unreported, for the server to deliver again.
+    _, prefix = stream
+    spec = spec_for(stream)
+    calls = Calls()
+
+    async def handler(msg: Msg) -> None:
+        calls.record(msg)
+        if msg.metadata.num_delivered == 1:
+            gone = asyncio.get_running_loop().create_future()
+            gone.cancel()
+            await gone
+
+    consumer = DurableConsumer(nc, js, pool, spec, handler, ordering_key=lambda _: "one")
+    background(consumer.run())
+    await publish(js, f"{prefix}.a", "m-1")
+
+    await wait_for(lambda: settled(js, spec, 1), what="the message delivered again and acked")
+    assert calls.of(f"{prefix}.a") == [1, 2]
