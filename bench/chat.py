@@ -77,6 +77,7 @@ from benchkit import (
     top_frames,
 )
 from contracts import subjects
+from contracts.common import ErrorCode
 from contracts.handoff import ActivateAgent, ActivationReply
 from contracts.metering import TurnDelta
 from contracts.session_events import (
@@ -87,7 +88,7 @@ from contracts.session_events import (
     OpenSession,
     SessionOpenedReply,
 )
-from servicekit.client import call
+from servicekit.client import CommandFailed, call
 
 LEVELS = (1, 50, 200)
 # The goal: append → first delta overhead, p99 ms, by concurrent sessions.
@@ -130,19 +131,20 @@ async def open_with_criativo(nc: Client, opening: asyncio.Semaphore) -> uuid.UUI
             timeout=SETUP_TIMEOUT,
         )
         session = opened.session_id
-        await call(
-            nc,
-            subjects.AGENTS_ACTIVATE,
-            ActivateAgent(
-                project_id=PROJECT,
-                session_id=session,
-                agent="criativo",
-                via="user",
-                actor="user:b",
-            ),
-            ActivationReply,
-            timeout=SETUP_TIMEOUT,
+        activation = ActivateAgent(
+            project_id=PROJECT, session_id=session, agent="criativo", via="user", actor="user:b"
         )
+        while True:  # a loaded handoff answers `unavailable` until its outbox catches up
+            try:
+                await call(
+                    nc, subjects.AGENTS_ACTIVATE, activation, ActivationReply,
+                    timeout=SETUP_TIMEOUT,
+                )  # fmt: skip
+                break
+            except CommandFailed as exc:
+                if exc.code != ErrorCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.1)
     while True:  # the activation reaches the log through handoff's outbox
         events = await call(
             nc, subjects.EVENTS_LIST, ListEvents(session_id=session), EventsReply,
