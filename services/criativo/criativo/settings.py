@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from contracts import streams
 from servicekit.settings import ServiceSettings
 
 
@@ -18,6 +19,13 @@ class CriativoSettings(ServiceSettings):
         default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0]
     )
     ack_wait_seconds: float = 30.0
+    # The least time an input stays with the replica that took it before JetStream hands
+    # it to another. A replica that dies mid-turn leaves the session's lease behind, and
+    # the input can run nowhere else until the lease expires: handing it over sooner buys
+    # nothing. The holder reports it in progress every third of this, one message each:
+    # a turn of a few seconds costs one report or none, not one per third of the first
+    # retry step (which a nak's delay still follows).
+    redeliver_held_input_after_seconds: float = streams.LEASES.ttl_seconds / 3
     consumer_batch: int = 32
     max_tool_iterations: int = 4
     max_tokens: int = 2048
