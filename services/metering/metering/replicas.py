@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import asyncpg
 
@@ -22,6 +23,20 @@ from servicekit.logs import get_logger
 log = get_logger(__name__)
 
 CHECK_SECONDS = 2.0
+# A survivor holds a dead replica's lock for as long as it takes to settle its holds:
+# longer than this, the lock is a live process's.
+TAKE_PATIENCE_SECONDS = 30.0
+TAKE_RETRY_SECONDS = 0.1
+
+
+class ReplicaIdTaken(RuntimeError):
+    """Another live process holds this replica's lock: two replicas share an instance id."""
+
+    def __init__(self, replica: str) -> None:
+        super().__init__(
+            f"another live metering process holds instance id {replica!r}: give every "
+            "replica its own AGENTBUS_INSTANCE_ID (holds are told apart by it)"
+        )
 
 
 class ReplicaLock:
@@ -32,12 +47,19 @@ class ReplicaLock:
         self.replica = replica
         self._conn: asyncpg.Connection | None = None
 
-    async def take(self) -> None:
+    async def take(self, patience_seconds: float = TAKE_PATIENCE_SECONDS) -> None:
         """Connect and take the lock, waiting while a survivor holds it (settling the holds
-        an earlier process of this id left)."""
+        an earlier process of this id left); `ReplicaIdTaken` if it stays held, by a live
+        process under the same instance id."""
         conn = await asyncpg.connect(self._url)
         try:
-            await conn.execute(f"SELECT pg_advisory_lock({REPLICA_LOCK_KEY})", self.replica)
+            deadline = time.monotonic() + patience_seconds
+            while not await conn.fetchval(
+                f"SELECT pg_try_advisory_lock({REPLICA_LOCK_KEY})", self.replica
+            ):
+                if time.monotonic() > deadline:
+                    raise ReplicaIdTaken(self.replica)
+                await asyncio.sleep(TAKE_RETRY_SECONDS)
         except BaseException:
             await conn.close()
             raise

@@ -9,11 +9,13 @@ import uuid
 from typing import Any
 
 import asyncpg
+import pytest
 from nats.aio.client import Client
 
 from contracts import subjects
 from contracts.metering import ChatMessage, LlmTurn, TurnReply
 from metering.budgets import REPLICA_LOCK_KEY
+from metering.replicas import ReplicaIdTaken, ReplicaLock
 from servicekit.client import call
 from testkit.probes import wait_for
 
@@ -139,3 +141,20 @@ async def test_a_live_replicas_call_is_left_to_it(
         assert billed == ["turn-dead"]
     finally:
         await db.close()
+
+
+async def test_a_second_live_process_under_the_same_instance_id_is_refused_at_start(
+    database_url: str,
+) -> None:
+    """Holds are told apart by instance id: a second process under a live one's id would
+    never get the lock, and says why instead of waiting for ever."""
+    first = ReplicaLock(database_url, "metering-a")
+    await first.take()
+    try:
+        with pytest.raises(ReplicaIdTaken, match="AGENTBUS_INSTANCE_ID"):
+            await ReplicaLock(database_url, "metering-a").take(patience_seconds=0.3)
+        other = ReplicaLock(database_url, "metering-b")
+        await other.take()  # another id is free
+        await other.close()
+    finally:
+        await first.close()
