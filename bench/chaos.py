@@ -29,6 +29,8 @@ Checked at the end, from the log and the databases, each with its evidence when 
 - every call the model logged has its `token_usage` row: a call whose metering replica
   was SIGKILLed mid-call too, billed at its hold by a surviving or restarted replica
   (`billed_at_hold`, shown apart); no budget hold left live;
+- no live turn run twice: none given up for its replica's silence while that replica
+  still ran it to the end (then retried under its retry id, and billed twice);
 - no run budget overspent; every outbox drained; no dead letter.
 
 Figures: sessions, events, kills, the longest time from a kill to the next answer any
@@ -852,6 +854,7 @@ async def check(pool: asyncpg.Pool, rounds: list[Round], calls: list[dict[str, A
     )
 
     verdict.check("every model call billed", await unbilled_calls(pool, calls))
+    verdict.check("no live turn run twice", await live_turns_run_twice(pool))
 
     overspent = await pool.fetch(
         """SELECT run_id, budget_micros, spent_micros FROM metering.run_budgets
@@ -919,6 +922,18 @@ async def answers_logged(pool: asyncpg.Pool, sessions: list[str]) -> dict[str, f
         sessions,
     )
     return {r["text"]: float(r["at"]) for r in rows}
+
+
+async def live_turns_run_twice(pool: asyncpg.Pool) -> list[str]:
+    """Turns given up while their metering replica still ran them: the turn billed `ok`
+    from its own call, and its retry (`<turn_id>.r<N>`) billed too. A caller gives a
+    turn up after its replica's silence; one that only seemed silent is run twice."""
+    rows = await pool.fetch(
+        """SELECT r.turn_id FROM metering.token_usage r
+             JOIN metering.token_usage t ON t.turn_id = regexp_replace(r.turn_id, '\\.r[0-9]+$', '')
+            WHERE r.turn_id ~ '\\.r[0-9]+$' AND t.status = 'ok' AND NOT t.billed_at_hold"""
+    )
+    return [f"{r['turn_id']}: its turn was billed ok, and it ran again" for r in rows]
 
 
 def tail_of(
