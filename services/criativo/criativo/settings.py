@@ -31,13 +31,15 @@ class CriativoSettings(ServiceSettings):
     # that replica (SIGKILLed mid-turn, before or after the first delta): tried again under
     # its next retry id rather than waiting out the request's 600 s (harness.client). The
     # replica is asked to beat every quarter of it (every 1.25 s): a model that thinks long
-    # keeps it beating, so only four beats lost in a row (a replica stalled or cut off from
-    # NATS that long) give a live turn up, to be run and billed again.
+    # keeps it beating. A live replica that only seemed silent (stalled, or cut off from
+    # NATS that long) is not run twice: the turn is asked for again under its own id first,
+    # and metering answers it "in progress" (harness.loop).
     stream_silence_seconds: float = 5.0
     # A stream that no metering replica beat for at all this long after the request (its
     # replica killed before the first beat) is tried again under its retry id too. A replica
     # beats as soon as it takes a request, which it does at once unless it runs
-    # `endpoint_concurrency` (256) turns already: only then does a live one stay unheard.
+    # `endpoint_concurrency` (256) turns already: only then does a live one stay unheard,
+    # and its turn is asked for again, not run twice, as above.
     stream_unheard_seconds: float = 10.0
     # µUSD a session's Criativo turns may spend in all (metering enforces it); none: no cap.
     session_budget_micros: int | None = 2_000_000
