@@ -36,8 +36,10 @@ Checked at the end, from the log and the databases, each with its evidence when 
 Figures: sessions, events, kills, the longest time from a kill to the next answer any
 person received, answer latency (chat sent → its `agent.response` received) under chaos
 against the calm round, and the slowest answers taken apart: the blows around each, and
-where it waited (from the model's call log: before its first model call, between a call
-whose metering replica was killed and the call that replaced it, after its last call).
+where it waited (from the model's call log and the log's times: before its first model
+call, between a call whose metering replica was killed and the call that replaced it,
+from its last call to the log, from the log to the WebSocket, with the person's
+connection attempts meanwhile).
 
     .venv/bin/python bench/chaos.py [--people 100] [--kills 2] [--seed 13]
 """
