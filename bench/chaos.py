@@ -605,13 +605,20 @@ class Blow:
 
 
 async def drive_chaos(
-    system: System, rng: random.Random, kills_per_service: int, gap: float
+    system: System,
+    rng: random.Random,
+    kills_per_service: int,
+    gap: float,
+    only: str | None = None,
 ) -> list[Blow]:
     """SIGKILL random replicas (each service `kills_per_service` times), one NATS node
-    (back after 10 s), both gateways restarted, Postgres paused 3 s; one blow per `gap`."""
-    services = sorted({s.spec.name for s in system.supervised})
+    (back after 10 s), both gateways restarted, Postgres paused 3 s; one blow per `gap`.
+    With `only`, just the SIGKILLs of that service's replicas: the waits one kind of
+    death causes, apart from the others'."""
+    services = [only] if only else sorted({s.spec.name for s in system.supervised})
     plan = [("kill", name) for name in services for _ in range(kills_per_service)]
-    plan += [("nats", ""), ("gateway", ""), ("postgres", "")]
+    if only is None:
+        plan += [("nats", ""), ("gateway", ""), ("postgres", "")]
     rng.shuffle(plan)
     blows: list[Blow] = []
     background: list[asyncio.Task[None]] = []
@@ -1045,6 +1052,7 @@ async def run(
     calm: bool,
     close_at_once: bool,
     keep: Path | None = None,
+    only: str | None = None,
 ) -> int:
     rng = random.Random(seed)
     random.seed(seed)
@@ -1073,7 +1081,7 @@ async def run(
                 print(f"calm round: {rounds[-1].seconds:.0f} s", flush=True)
 
             async def chaos() -> list[Blow]:
-                return await drive_chaos(system, rng, kills, gap)
+                return await drive_chaos(system, rng, kills, gap, only)
 
             rounds.append(await run_round(system, pool, "chaos", people, chaos, close_at_once))
             storm = rounds[-1]
@@ -1137,6 +1145,11 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=2.0, help="seconds between blows")
     parser.add_argument("--no-calm", action="store_true", help="skip the calm round")
     parser.add_argument(
+        "--only",
+        metavar="SERVICE",
+        help="only SIGKILL this service's replicas (--kills times): no other blow",
+    )
+    parser.add_argument(
         "--close-at-once",
         action="store_true",
         help="close right after accepting, without waiting for PO's activation in the log",
@@ -1157,7 +1170,7 @@ def main() -> None:
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=False)
     run_args = (args.people, args.kills, args.seed, args.gap, not args.no_calm, args.close_at_once)
-    code = asyncio.run(run(*run_args, keep=args.keep))
+    code = asyncio.run(run(*run_args, keep=args.keep, only=args.only))
     sys.exit(code)
 
 
