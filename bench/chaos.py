@@ -26,13 +26,20 @@ Checked at the end, from the log and the databases, each with its evidence when 
 - one brief per readiness, one offer to `po` per brief;
 - every closed session analysed exactly once (one `psychologist.analysis_completed`
   or `_failed`);
-- every call the model logged has its `token_usage` row (a call whose metering replica
-  was SIGKILLed mid-call has none: its budget hold is left for the sweeper, shown apart);
+- every call the model logged has its `token_usage` row: a call whose metering replica
+  was SIGKILLed mid-call too, billed at its hold by a surviving or restarted replica
+  (`billed_at_hold`, shown apart); no budget hold left live;
+- no live turn run twice: none given up for its replica's silence while that replica
+  still ran it to the end (then retried under its retry id, and billed twice);
 - no run budget overspent; every outbox drained; no dead letter.
 
 Figures: sessions, events, kills, the longest time from a kill to the next answer any
 person received, answer latency (chat sent → its `agent.response` received) under chaos
-against the calm round.
+against the calm round, and the slowest answers taken apart: the blows around each, and
+where it waited (from the model's call log and the log's times: before its first model
+call, between a call whose metering replica was killed and the call that replaced it,
+from its last call to the log, from the log to the WebSocket, with the person's
+connection attempts meanwhile).
 
     .venv/bin/python bench/chaos.py [--people 100] [--kills 2] [--seed 13]
 """
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -95,6 +103,19 @@ ARRIVED = "_arrived"  # when a person received an event (kept beside the event)
 RECONNECT_AFTER = {2, 4}  # drop the socket and resume after these messages (1-based)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One chat message (its text as sent) and when it was sent and its answer arrived."""
+
+    text: str
+    sent: float
+    arrived: float
+
+    @property
+    def latency(self) -> float:
+        return self.arrived - self.sent
+
+
 class Lost(Exception):
     """The socket closed before the frame was answered."""
 
@@ -119,7 +140,11 @@ class Person:
     duplicates: list[int] = field(default_factory=list)  # seqs received twice
     gaps: list[tuple[int, int]] = field(default_factory=list)  # (expected, got)
     latencies: list[float] = field(default_factory=list)  # chat sent → its answer
+    answers: list[Answer] = field(default_factory=list)  # each answer's text and times
     connects: int = 0
+    # Each connection attempt: when it began and ended, and how ("joined", "connect
+    # ConnectionRefusedError", "join Lost"…): where an answer waited on the socket.
+    trail: list[tuple[float, float, str]] = field(default_factory=list)
     session_id: str = ""
     failure: str | None = None
     _ws: ClientConnection | None = None
@@ -158,9 +183,11 @@ class Person:
         delay = 0.2
         while True:
             self.connects += 1
+            began = time.time()
             try:
                 ws = await connect(await self.url(), max_size=None, open_timeout=10)
-            except (OSError, InvalidHandshake, InvalidStatus, TimeoutError, httpx.HTTPError):
+            except (OSError, InvalidHandshake, InvalidStatus, TimeoutError, httpx.HTTPError) as exc:
+                self.trail.append((began, time.time(), f"connect {type(exc).__name__}"))
                 await asyncio.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 3.0)
                 continue
@@ -170,8 +197,10 @@ class Person:
                 await self._send(
                     ws, {"type": "join", "session_id": self.session_id, "after_seq": self.last_seq}
                 )
+                self.trail.append((began, time.time(), "joined"))
                 return
-            except (Lost, Refused, TimeoutError):
+            except (Lost, Refused, TimeoutError) as exc:
+                self.trail.append((began, time.time(), f"join {type(exc).__name__}"))
                 reader.cancel()
                 await ws.close()
                 await asyncio.sleep(delay)
@@ -333,16 +362,15 @@ class Person:
         with contextlib.suppress(Refused):  # already active after a lost ack
             await self.act({"type": "start_agent", "agent": "criativo"})
         await self.wait_event(lambda e: e["type"] == "agent.activated")
-        pending: list[tuple[str, float]] = []
+        pending: list[tuple[str, str, float]] = []
         for number, (text, burst) in enumerate(MESSAGES, 1):
             if not burst:
                 await self._answered(pending)
                 pending = []
             sent = time.time()
-            reply = await self.act(
-                {"type": "chat", "text": f"{text} (p{self.index})", "client_msg_id": f"m{number}"}
-            )
-            pending.append((str(reply["event_id"]), sent))
+            said = f"{text} (p{self.index})"
+            reply = await self.act({"type": "chat", "text": said, "client_msg_id": f"m{number}"})
+            pending.append((str(reply["event_id"]), said, sent))
             if number in RECONNECT_AFTER:
                 await self.drop()
         await self._answered(pending)
@@ -395,10 +423,11 @@ class Person:
                 raise
         await self.wait_event(lambda e: e["type"] == "session.closed")
 
-    async def _answered(self, pending: list[tuple[str, float]]) -> None:
-        for message_id, sent in pending:
+    async def _answered(self, pending: list[tuple[str, str, float]]) -> None:
+        for message_id, said, sent in pending:
             answer = await self.wait_event(answer_to(message_id))
             self.latencies.append(float(answer[ARRIVED]) - sent)
+            self.answers.append(Answer(said, sent, float(answer[ARRIVED])))
 
     async def _open(self, base_url: str) -> str:
         """Open a session over HTTP, on whichever gateway answers."""
@@ -500,10 +529,6 @@ async def start_system(stack: contextlib.AsyncExitStack, state: Path) -> tuple[S
         "AGENTBUS_GATEWAY_SECRET": SECRET,
         "AGENTBUS_GATEWAY_PORT": str(gateway_port),
         "AGENTBUS_OUTBOX_POLL_SECONDS": "0.2",
-        # A hold whose replica was SIGKILLed mid-call is settled at its worst case by the
-        # sweeper once older than any call can last: seconds here, where calls last < 5 s.
-        "AGENTBUS_ABANDONED_HOLD_SECONDS": "60",
-        "AGENTBUS_HOLD_SWEEP_INTERVAL_SECONDS": "5",
         # The psychologist gives up a model turn whose metering replica died after a
         # minute instead of three (the scripted model answers in seconds), so its
         # analysis completes within the settle.
@@ -580,13 +605,20 @@ class Blow:
 
 
 async def drive_chaos(
-    system: System, rng: random.Random, kills_per_service: int, gap: float
+    system: System,
+    rng: random.Random,
+    kills_per_service: int,
+    gap: float,
+    only: str | None = None,
 ) -> list[Blow]:
     """SIGKILL random replicas (each service `kills_per_service` times), one NATS node
-    (back after 10 s), both gateways restarted, Postgres paused 3 s; one blow per `gap`."""
-    services = sorted({s.spec.name for s in system.supervised})
+    (back after 10 s), both gateways restarted, Postgres paused 3 s; one blow per `gap`.
+    With `only`, just the SIGKILLs of that service's replicas: the waits one kind of
+    death causes, apart from the others'."""
+    services = [only] if only else sorted({s.spec.name for s in system.supervised})
     plan = [("kill", name) for name in services for _ in range(kills_per_service)]
-    plan += [("nats", ""), ("gateway", ""), ("postgres", "")]
+    if only is None:
+        plan += [("nats", ""), ("gateway", ""), ("postgres", "")]
     rng.shuffle(plan)
     blows: list[Blow] = []
     background: list[asyncio.Task[None]] = []
@@ -714,7 +746,7 @@ class Verdict:
 
 async def settle(pool: asyncpg.Pool, sessions: list[str], timeout: float = 300) -> None:
     """Wait until every closed session is analysed, every outbox is empty and no budget
-    hold is live (a SIGKILLed metering replica's, until the sweeper settles it): the
+    hold is live (a SIGKILLed metering replica's, until a survivor settles it): the
     effects the invariants look at; a bounded wait, whatever is missing then is reported."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -747,7 +779,7 @@ async def outbox_schemas(pool: asyncpg.Pool) -> list[str]:
     return sorted(r["table_schema"] for r in rows)
 
 
-async def check(pool: asyncpg.Pool, rounds: list[Round], calls_path: Path) -> Verdict:
+async def check(pool: asyncpg.Pool, rounds: list[Round], calls: list[dict[str, Any]]) -> Verdict:
     verdict = Verdict()
     people = [p for r in rounds for p in r.people]
     verdict.check(
@@ -830,12 +862,8 @@ async def check(pool: asyncpg.Pool, rounds: list[Round], calls_path: Path) -> Ve
         [f"session {s}: {analyses[s]} analyses" for s in sorted(closed) if analyses[s] != 1],
     )
 
-    calls = [
-        json.loads(line)
-        for line in (await asyncio.to_thread(calls_path.read_text)).splitlines()
-        if line
-    ]
-    verdict.check("every model call billed", await unbilled_calls(pool, calls, rounds))
+    verdict.check("every model call billed", await unbilled_calls(pool, calls))
+    verdict.check("no live turn run twice", await live_turns_run_twice(pool))
 
     overspent = await pool.fetch(
         """SELECT run_id, budget_micros, spent_micros FROM metering.run_budgets
@@ -860,43 +888,124 @@ async def check(pool: asyncpg.Pool, rounds: list[Round], calls_path: Path) -> Ve
     return verdict
 
 
-async def unbilled_calls(
-    pool: asyncpg.Pool, calls: list[dict[str, Any]], rounds: list[Round]
-) -> list[str]:
+async def unbilled_calls(pool: asyncpg.Pool, calls: list[dict[str, Any]]) -> list[str]:
     """Why the model's calls and metering's bills disagree, if they do.
 
-    A call has its `token_usage` row, unless its metering replica was SIGKILLed between
-    the call and the bill: then only its budget hold remains, which the sweeper settles
-    at its worst case (no overspend). So the calls without a row must be at most the
-    calls the killed replicas logged, and at most the holds without a row (a replica
-    may also die after the hold, before calling); and no hold may be left live."""
-    usage = await pool.fetchval("SELECT count(*) FROM metering.token_usage")
-    holds = await pool.fetchrow(
-        """SELECT count(*) FILTER (WHERE status = 'held'), count(*)
-             FROM metering.budget_holds h
-            WHERE NOT EXISTS (SELECT 1 FROM metering.token_usage u WHERE u.turn_id = h.turn_id)"""
-    )
-    live, without_row = (holds[0], holds[1]) if holds else (0, 0)
-    killed = {b.pid for r in rounds for b in r.blows if b.kind == "kill" and b.pid}
-    by_killed = sum(1 for c in calls if c["pid"] in killed)
-    unbilled = len(calls) - usage
+    Every call has its `token_usage` row: one whose metering replica was SIGKILLed
+    between the call and the bill is billed at its hold by a survivor or by the replica
+    restarted (`billed_at_hold`). A replica killed after its hold and before calling
+    leaves a row billed at its hold with no call: the only rows allowed beyond the calls.
+    No hold may be left live."""
+    usage, at_hold = await pool.fetchrow(
+        "SELECT count(*), count(*) FILTER (WHERE billed_at_hold) FROM metering.token_usage"
+    ) or (0, 0)
+    live = await pool.fetchval("SELECT count(*) FROM metering.budget_holds WHERE status = 'held'")
     evidence = []
-    if unbilled < 0:
-        evidence.append(f"{usage} token_usage rows for {len(calls)} calls the model logged")
-    if unbilled > min(by_killed, without_row):
+    if len(calls) > usage:
         evidence.append(
-            f"{unbilled} of {len(calls)} calls without a token_usage row, but only "
-            f"{by_killed} made by SIGKILLed metering replicas and {without_row} holds "
-            "without a row"
+            f"{len(calls) - usage} of {len(calls)} calls the model logged without a "
+            f"token_usage row ({usage} rows, {at_hold} of them billed at the hold)"
+        )
+    if usage - len(calls) > at_hold:
+        evidence.append(
+            f"{usage} token_usage rows for {len(calls)} calls, more than the {at_hold} "
+            "billed at a hold whose call may not have happened"
         )
     if live:
-        evidence.append(f"{live} budget holds still live (never billed nor swept)")
-    if not evidence and unbilled:
+        evidence.append(f"{live} budget holds still live (never billed nor settled)")
+    if not evidence and at_hold:
         print(
-            f"  ({unbilled} calls died with their SIGKILLed metering replica: their holds "
-            "settled at their worst case by the sweeper)"
+            f"  ({at_hold} calls whose metering replica was SIGKILLed before billing them: "
+            "billed at their hold by a survivor or the restarted replica)"
         )
     return evidence
+
+
+async def answers_logged(pool: asyncpg.Pool, sessions: list[str]) -> dict[str, float]:
+    """When each chat message's answer reached the log, by the message's text."""
+    rows = await pool.fetch(
+        """SELECT m.payload->>'text' AS text, extract(epoch FROM a.created_at) AS at
+             FROM session_events.events a
+             JOIN session_events.events m ON m.id = a.causation_id
+            WHERE a.type = 'agent.response' AND a.session_id = ANY($1::uuid[])""",
+        sessions,
+    )
+    return {r["text"]: float(r["at"]) for r in rows}
+
+
+async def live_turns_run_twice(pool: asyncpg.Pool) -> list[str]:
+    """Turns given up while their metering replica still ran them: the turn billed `ok`
+    from its own call, and its retry (`<turn_id>.r<N>`) billed too. A caller gives a
+    turn up after its replica's silence; one that only seemed silent is run twice."""
+    rows = await pool.fetch(
+        """SELECT r.turn_id FROM metering.token_usage r
+             JOIN metering.token_usage t ON t.turn_id = regexp_replace(r.turn_id, '\\.r[0-9]+$', '')
+            WHERE r.turn_id ~ '\\.r[0-9]+$' AND t.status = 'ok' AND NOT t.billed_at_hold"""
+    )
+    return [f"{r['turn_id']}: its turn was billed ok, and it ran again" for r in rows]
+
+
+def tail_of(
+    storm: Round, calls: list[dict[str, Any]], logged: dict[str, float], slowest: int = 8
+) -> list[str]:
+    """The slowest answers under chaos taken apart: where each waited, read from the
+    model's call log (the person's words each call answers), the answer's time in the log
+    (`logged`, by the person's words), the person's connection attempts, and the blows
+    meanwhile."""
+    killed = {b.pid: b for b in storm.blows if b.kind == "kill" and b.pid}
+    answers = sorted(
+        ((a, p) for p in storm.people for a in p.answers), key=lambda x: -x[0].latency
+    )[:slowest]
+    lines = []
+    for a, p in answers:
+        mine = sorted(
+            (
+                c
+                for c in calls
+                if c["agent"] == "criativo"
+                and a.text in c.get("says", "")
+                and a.sent <= c["at"] <= a.arrived
+            ),
+            key=lambda c: float(c["at"]),
+        )
+        waits = []
+        if not mine:
+            waits.append("no model call logged for it")
+        else:
+            waits.append(f"{mine[0]['at'] - a.sent:.1f} s to its first model call")
+            for before, after in itertools.pairwise(mine):
+                gap = after["at"] - before["at"]
+                blow = killed.get(before["pid"])
+                if blow is not None and before["at"] <= blow.at <= after["at"]:
+                    waits.append(
+                        f"{gap:.1f} s from a call on {blow.what.removeprefix('SIGKILL ')} "
+                        f"(killed {blow.at - before['at']:.1f} s into it) to its next call"
+                    )
+                elif gap > 2:
+                    waits.append(f"{gap:.1f} s between two calls")
+            end, to = (logged[a.text], "log") if a.text in logged else (a.arrived, "answer")
+            waits.append(f"{end - mine[-1]['at']:.1f} s from its last call to the {to}")
+        if a.text in logged:
+            waits.append(f"{a.arrived - logged[a.text]:.1f} s from the log to the WebSocket")
+        attempts = [t for t in p.trail if t[1] >= a.sent and t[0] <= a.arrived]
+        if attempts:
+            kinds = Counter(t[2] for t in attempts)
+            spent = sum(t[1] - t[0] for t in attempts)
+            waits.append(
+                f"{len(attempts)} connection attempts ({spent:.1f} s in them: "
+                + ", ".join(f"{n}x {k}" for k, n in kinds.most_common())
+                + ")"
+            )
+        around = [
+            f"{b.what} at {b.at - a.sent:+.1f} s"
+            for b in storm.blows
+            if a.sent - 5 <= b.at <= (logged.get(a.text) or a.arrived)
+        ]
+        lines.append(
+            f"  p{p.index} {a.latency:5.1f} s: {'; '.join(waits)}. "
+            f"Blows: {', '.join(around) or 'none'}"
+        )
+    return lines
 
 
 def _payload(event: Any) -> dict[str, Any]:
@@ -943,6 +1052,7 @@ async def run(
     calm: bool,
     close_at_once: bool,
     keep: Path | None = None,
+    only: str | None = None,
 ) -> int:
     rng = random.Random(seed)
     random.seed(seed)
@@ -971,14 +1081,20 @@ async def run(
                 print(f"calm round: {rounds[-1].seconds:.0f} s", flush=True)
 
             async def chaos() -> list[Blow]:
-                return await drive_chaos(system, rng, kills, gap)
+                return await drive_chaos(system, rng, kills, gap, only)
 
             rounds.append(await run_round(system, pool, "chaos", people, chaos, close_at_once))
             storm = rounds[-1]
             print(f"chaos round: {storm.seconds:.0f} s", flush=True)
             sessions = [p.session_id for r in rounds for p in r.people if p.session_id]
             await settle(pool, sessions)
-            verdict = await check(pool, rounds, system.calls_path)
+            calls = [
+                json.loads(line)
+                for line in (await asyncio.to_thread(system.calls_path.read_text)).splitlines()
+                if line
+            ]
+            verdict = await check(pool, rounds, calls)
+            logged = await answers_logged(pool, sessions)
             restarts = {f"{s.spec.name}-{s.replica}": s.restarts for s in system.supervised}
             total_events = await pool.fetchval(
                 "SELECT count(*) FROM session_events.events WHERE session_id = ANY($1::uuid[])",
@@ -1005,6 +1121,9 @@ async def run(
         if calm:
             print(latency_line("calm", rounds[0].latencies))
         print(latency_line("during chaos", storm.latencies, base))
+        print("the slowest answers under chaos, where they waited:")
+        for line in tail_of(storm, calls, logged):
+            print(line)
         for name in verdict.held:
             print(f"  held    {name}")
         for broken in verdict.broken:
@@ -1026,6 +1145,11 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=2.0, help="seconds between blows")
     parser.add_argument("--no-calm", action="store_true", help="skip the calm round")
     parser.add_argument(
+        "--only",
+        metavar="SERVICE",
+        help="only SIGKILL this service's replicas (--kills times): no other blow",
+    )
+    parser.add_argument(
         "--close-at-once",
         action="store_true",
         help="close right after accepting, without waiting for PO's activation in the log",
@@ -1046,7 +1170,7 @@ def main() -> None:
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=False)
     run_args = (args.people, args.kills, args.seed, args.gap, not args.no_calm, args.close_at_once)
-    code = asyncio.run(run(*run_args, keep=args.keep))
+    code = asyncio.run(run(*run_args, keep=args.keep, only=args.only))
     sys.exit(code)
 
 

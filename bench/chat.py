@@ -77,6 +77,7 @@ from benchkit import (
     top_frames,
 )
 from contracts import subjects
+from contracts.common import ErrorCode
 from contracts.handoff import ActivateAgent, ActivationReply
 from contracts.metering import TurnDelta
 from contracts.session_events import (
@@ -87,7 +88,7 @@ from contracts.session_events import (
     OpenSession,
     SessionOpenedReply,
 )
-from servicekit.client import call
+from servicekit.client import CommandFailed, call
 
 LEVELS = (1, 50, 200)
 # The goal: append → first delta overhead, p99 ms, by concurrent sessions.
@@ -130,19 +131,20 @@ async def open_with_criativo(nc: Client, opening: asyncio.Semaphore) -> uuid.UUI
             timeout=SETUP_TIMEOUT,
         )
         session = opened.session_id
-        await call(
-            nc,
-            subjects.AGENTS_ACTIVATE,
-            ActivateAgent(
-                project_id=PROJECT,
-                session_id=session,
-                agent="criativo",
-                via="user",
-                actor="user:b",
-            ),
-            ActivationReply,
-            timeout=SETUP_TIMEOUT,
+        activation = ActivateAgent(
+            project_id=PROJECT, session_id=session, agent="criativo", via="user", actor="user:b"
         )
+        while True:  # a loaded handoff answers `unavailable` until its outbox catches up
+            try:
+                await call(
+                    nc, subjects.AGENTS_ACTIVATE, activation, ActivationReply,
+                    timeout=SETUP_TIMEOUT,
+                )  # fmt: skip
+                break
+            except CommandFailed as exc:
+                if exc.code != ErrorCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.1)
     while True:  # the activation reaches the log through handoff's outbox
         events = await call(
             nc, subjects.EVENTS_LIST, ListEvents(session_id=session), EventsReply,
@@ -362,6 +364,16 @@ async def warm_up(nc: Client, delay_s: float) -> None:
 
 # Turns of one session, one after another, whose messages and CPU `census` counts.
 CENSUS_TURNS = 20
+# The goal: messages Criativo puts on the bus per turn, beyond the deltas it causes
+# (requests, publishes, acks; not the replies and deliveries it receives).
+CRIATIVO_SENDS_GOAL = 8.0
+# The person's appends go out on their own connection, whose replies come back under this
+# prefix: the census tells them from Criativo's appends by it.
+PERSON_INBOX = "_INBOX_person"
+PERSON = "the person"
+CRIATIVO = "criativo"
+# Criativo's consumer and lease bucket, as `message_kind` names them.
+CRIATIVO_OWNS = ("criativo-inputs", "criativo_leases")
 
 
 def message_kind(subject: str, reply: str | None, replies: dict[str, str]) -> str:
@@ -372,7 +384,7 @@ def message_kind(subject: str, reply: str | None, replies: dict[str, str]) -> st
     tokens = subject.split(".")
     if reply is not None and reply.startswith("$JS.ACK."):
         return f"delivered to {reply.split('.')[3]}"
-    if tokens[0] == "_INBOX":
+    if tokens[0].startswith("_INBOX"):
         return "reply to " + replies.get(subject, replies.get(subject.rsplit(".", 1)[0], "?"))
     if subject.startswith("$JS.API.CONSUMER.MSG.NEXT."):
         return f"pull {tokens[-1]}"
@@ -386,7 +398,35 @@ def message_kind(subject: str, reply: str | None, replies: dict[str, str]) -> st
         return ".".join(tokens[:4])
     if subject.startswith(subjects.DELTA_PREFIX):
         return "agent.delta (tokens)"
-    return ".".join(tokens[:2]) if tokens[0] in ("agent", "metering") else ".".join(tokens[:3])
+    kind = ".".join(tokens[:2]) if tokens[0] in ("agent", "metering") else ".".join(tokens[:3])
+    if reply is not None and reply.startswith(PERSON_INBOX):
+        kind += f" ({PERSON})"
+    return kind
+
+
+def sender(kind: str) -> str:
+    """Who puts a message of `kind` (`message_kind`) on the bus: a reply is its server's,
+    a delivery JetStream's; during the bench's turns only the person and Criativo send
+    commands, and an event is published by the log's outbox relay."""
+    if kind.startswith("delivered to "):
+        return "JetStream"
+    if kind.startswith("reply to "):
+        asked = kind.removeprefix("reply to ")
+        if asked.startswith("cmd.events") or asked.startswith("cmd.sessions"):
+            return "the log"
+        if asked.startswith("cmd.llm"):
+            return "metering"
+        return "JetStream"  # a KV write, a pull, a stream's publish, its API
+    if kind.startswith(("ack ", "pull ", "kv ")):
+        owner = kind.split()[-2] if kind.startswith("ack ") else kind.split()[-1]
+        return CRIATIVO if owner in CRIATIVO_OWNS else owner
+    if kind.endswith(f"({PERSON})"):
+        return PERSON
+    if kind.startswith(("cmd.", "agent.done")):
+        return CRIATIVO
+    if kind.startswith(("agent.delta", "metering.")):
+        return "metering"
+    return "the log's relay"
 
 
 class Census:
@@ -406,13 +446,59 @@ class Census:
         self.counts[kind] += 1
 
 
+@dataclass(frozen=True)
+class PerTurn:
+    """Messages per turn by kind (`message_kind`), beyond the token deltas."""
+
+    by_kind: dict[str, float]
+
+    @property
+    def by_sender(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for kind, n in self.by_kind.items():
+            totals[sender(kind)] = totals.get(sender(kind), 0.0) + n
+        return totals
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_kind.values())
+
+    @property
+    def criativo_sends(self) -> float:
+        return self.by_sender.get(CRIATIVO, 0.0)
+
+    def lines(self, title: str) -> list[str]:
+        """The census as printed: each kind with its sender, then a total per sender."""
+        rows = sorted(self.by_kind.items(), key=lambda x: (sender(x[0]), -x[1]))
+        out = [title]
+        out += [f"  {v:6.2f}  {sender(k):15} {k}" for k, v in rows if round(v, 2)]
+        out.append(f"  {self.total:6.2f}  in all, beyond the token deltas; by sender:")
+        senders = sorted(self.by_sender.items(), key=lambda x: -x[1])
+        out += [f"  {v:6.2f}  {s}" for s, v in senders if round(v, 2)]
+        return out
+
+
+def per_turn(
+    counts: collections.Counter[str], idle: collections.Counter[str], turns: int
+) -> PerTurn:
+    """The messages of `turns` turns less those of as long idle, per turn, beyond deltas."""
+    kinds = (counts | idle).keys()
+    by_kind = {k: (counts[k] - idle[k]) / turns for k in kinds if not k.startswith("agent.delta")}
+    return PerTurn(by_kind)
+
+
 async def census(
-    nc: Client, delay_s: float, turns: int, groups: dict[str, list[int]], pool: asyncpg.Pool
-) -> tuple[list[str], tuple[str, int, CpuUsage]]:
-    """The messages of one session's turns, one after another, per turn, less what the
-    bus carries in as long with no turn (idle pulls, keep-alives, polls); and each
-    process's CPU per turn, less its own in as long idle: a turn's own work, with no
-    other turn beside it (a row of the CPU table)."""
+    nc: Client,
+    person: Client,
+    delay_s: float,
+    turns: int,
+    groups: dict[str, list[int]],
+    pool: asyncpg.Pool,
+) -> tuple[PerTurn, tuple[str, int, CpuUsage]]:
+    """The messages of one session's turns, one after another (the person's appends on
+    `person`), per turn, less what the bus carries in as long with no turn (idle pulls,
+    keep-alives, polls); and each process's CPU per turn, less its own in as long idle: a
+    turn's own work, with no other turn beside it (a row of the CPU table)."""
     session = await open_with_criativo(nc, asyncio.Semaphore(1))
     chat, counting = Chat(delay_s), Census()
     subs = [
@@ -428,7 +514,7 @@ async def census(
     await meter.start()
     started = time.perf_counter()
     for _ in range(turns):
-        await chat.turn(nc, session)
+        await chat.turn(person, session)
     await asyncio.sleep(0.5)  # the last turn's release and acks
     elapsed = time.perf_counter() - started
     cpu = await meter.stop(turns, elapsed)
@@ -440,12 +526,8 @@ async def census(
     for s in [watch, *subs]:
         await s.unsubscribe()
     own = {k: round(v - idle_cpu.ms_per_op.get(k, 0.0), 3) for k, v in cpu.ms_per_op.items()}
-    per_turn = {k: (busy[k] - idle[k]) / turns for k in busy | idle}
-    total = sum(v for k, v in per_turn.items() if not k.startswith("agent.delta"))
-    lines = [f"messages per turn ({turns} turns of one session, less as long idle):"]
-    lines += [f"  {v:6.2f}  {k}" for k, v in sorted(per_turn.items(), key=lambda x: -x[1]) if v]
-    lines.append(f"  {total:6.2f}  in all, beyond the token deltas")
-    return lines, ("1-by-1-idle", 1, CpuUsage(own, cpu.cores_ours, cpu.cores_machine))
+    counted = per_turn(busy, idle, turns)
+    return counted, ("1-by-1-idle", 1, CpuUsage(own, cpu.cores_ours, cpu.cores_machine))
 
 
 # The services `--py-spy` profiles during the turns.
@@ -460,15 +542,18 @@ async def scenario(
     meter: CpuMeter,
     spies: dict[str, int],
     spy_dir: Path | None,
+    counting: Census | None = None,
 ) -> tuple[CpuUsage, object]:
-    """Run one scenario's turns (`drive`) under the CPU meter and the profilers; its CPU
-    per turn and what `drive` returned."""
+    """Run one scenario's turns (`drive`) under the CPU meter and the profilers, and
+    `counting` the bus's messages if given; its CPU per turn and what `drive` returned."""
     subs = [
         await nc.subscribe(subjects.delta_subject(PROJECT, "*"), cb=chat.on_delta),
         await nc.subscribe(subjects.done_subject(PROJECT, "*"), cb=chat.on_done),
         await nc.subscribe(f"chat.message.{PROJECT}.*", cb=chat.on_event),
         await nc.subscribe(subjects.LLM_STREAM, cb=chat.on_stream_request),
     ]
+    if counting is not None:
+        subs.append(await nc.subscribe(">", cb=counting.on_msg))
     await nc.flush()
     with contextlib.ExitStack() as profiling:
         for module, pid in spies.items():
@@ -496,6 +581,7 @@ def report(title: str, chat: Chat, hop: list[float]) -> list[str]:
 
 async def measure_level(
     nc: Client,
+    person: Client,
     nats_url: str,
     level: Level,
     groups: dict[str, list[int]],
@@ -503,9 +589,10 @@ async def measure_level(
     spies: dict[str, int],
     spy_dir: Path | None,
 ) -> tuple[Measured, Measured, CpuUsage]:
-    """One level: the baseline, the background CPU with no turns, then the burst, then
-    the spread arrivals, on the same sessions; `spies` (service → pid) are profiled into
-    `spy_dir` during each scenario."""
+    """One level: the baseline, the background CPU with no turns, then the burst (its
+    messages counted: the person appends on `person`), then the spread arrivals, on the
+    same sessions; `spies` (service → pid) are profiled into `spy_dir` during each
+    scenario."""
     n = level.sessions
     base = Receiver()
     base.expected = level.tokens
@@ -519,19 +606,24 @@ async def measure_level(
     measured = []
     idle = await idle_cpu(groups, pool)
 
-    burst = Chat(level.delay_s)
+    burst, counting = Chat(level.delay_s), Census()
     cpu, _ = await scenario(
         nc,
         f"burst-{n}",
         burst,
-        lambda: burst.burst(nc, sessions, level.rounds),
+        lambda: burst.burst(person, sessions, level.rounds),
         CpuMeter(groups, pool),
         spies,
         spy_dir,
+        counting,
     )
     turns = len(burst.first_delta_ms)
     title = f"{n} sessions, burst (every session at the same instant, {level.rounds} rounds):"
-    measured.append(Measured(report(title, burst, hop), p99_of(burst), cpu, turns))
+    lines = report(title, burst, hop)
+    lines += per_turn(counting.counts, collections.Counter(), turns).lines(
+        f" messages per turn, {n} at once (not less idle):"
+    )
+    measured.append(Measured(lines, p99_of(burst), cpu, turns))
 
     spread = Chat(level.delay_s)
     cpu, crowded = await scenario(
@@ -605,6 +697,8 @@ async def run(
         )
         nc = await nats.connect(srv.nats_url)
         stack.push_async_callback(nc.close)
+        person = await nats.connect(srv.nats_url, inbox_prefix=PERSON_INBOX)
+        stack.push_async_callback(person.close)
         procs = await start_services(stack, nc, env, srv.state, SERVICES, READY_TIMEOUT)
         pool = await asyncpg.create_pool(srv.admin_url, min_size=1, max_size=1)
         assert pool is not None
@@ -617,14 +711,17 @@ async def run(
               f"{os.cpu_count()} cores")  # fmt: skip
         print(await idle_wake(pool), flush=True)
         await warm_up(nc, delay_ms / 1000)
-        counted, one_by_one = await census(nc, delay_ms / 1000, CENSUS_TURNS, groups, pool)
-        print("\n".join(counted), flush=True)
+        counted, one_by_one = await census(nc, person, delay_ms / 1000, CENSUS_TURNS, groups, pool)
+        title = f"messages per turn ({CENSUS_TURNS} turns of one session, less as long idle):"
+        print("\n".join(counted.lines(title)), flush=True)
         goals, cpu_rows, bounds = Goals(), [one_by_one], []
+        goals.at_most("messages Criativo sends per turn, one at a time",
+                      counted.criativo_sends, CRIATIVO_SENDS_GOAL)  # fmt: skip
         for level in levels:
             n = level.sessions
             spies = {p.module: p.pid for p in procs if spy_dir is not None and p.module in PROFILED}
             burst, spread, idle = await measure_level(
-                nc, srv.nats_url, level, groups, pool, spies, spy_dir
+                nc, person, srv.nats_url, level, groups, pool, spies, spy_dir
             )
             for measured in (burst, spread):
                 print("\n".join(measured.lines), flush=True)

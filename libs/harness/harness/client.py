@@ -17,9 +17,11 @@ turn's deltas: a beat is noted on arrival, a few per turn, not one per token. Al
 client's streams name one alive subject, subscribed once, and a beat's body is its
 turn's id: no subscription made and dropped per turn, which would cost a SUB and an
 UNSUB, a subscription task and the server's interest changes on every turn's first token.
-The lost id stays claimed in metering until its sweeper settles the hold, so the client
-remembers it: a re-run of the same input skips it rather than wait on "turn in
-progress".
+The lost id stays claimed in metering until its replica's bill or a survivor settles
+it, so the client remembers it: a re-run of the same input skips it rather than wait on
+"turn in progress"; unless the caller asks for it again (`ask_again`) to learn whether
+its replica still runs it: a live one's turn is "in progress", then answered from its
+row, a dead one's ended within seconds (a survivor bills it at its hold).
 
 A whole-reply turn has no beat: no reply within `timeout` is its only sign that the
 replica is gone, and the call raises `TurnLost` (which `StreamSilent` is too), retried
@@ -195,6 +197,10 @@ class MeteringClient:
                 raise self._lose(TurnLost(cmd.turn_id, self._no_reply)) from None
             finally:
                 waiting.cancel()
+
+    def ask_again(self, turn_id: str) -> None:
+        """Let a turn id given up be asked for again (metering answers whether it runs)."""
+        self._lost.pop(turn_id, None)
 
     @property
     def _no_reply(self) -> str:

@@ -21,7 +21,12 @@ once stored, is ours to replay; past the wait it is tried again under the next r
 id (its metering replica died mid-call). Without a wait, it is an error the caller
 may retry later. A turn lost with its metering replica (`harness.client.TurnLost`: a
 stream whose replica went silent, before or after its first delta, or a whole-reply turn
-with no reply in the client's timeout) is tried again under the next retry id at once.
+with no reply in the client's timeout) is asked for again under its own id first when
+the loop may wait: a replica that only seemed lost (stalled, cut off from NATS, slower
+than the client's timeout) still runs it, and metering answers "in progress", then its
+reply, so it is never run, nor billed, twice; a dead replica's turn is ended (a survivor
+bills it at its hold within seconds) and tried again under the next retry id. Without a
+wait, a lost turn goes to the next retry id at once.
 
 A streaming turn the person stopped (`cmd.llm.cancel`; metering's `stop_reason`
 "cancelled") ends the loop at once: its tool calls never run, and the answer is the
@@ -232,7 +237,7 @@ class ToolLoop:
         """The iteration's turn under its id, waited for while metering still runs it and
         retried under the next retry id when it cannot run (see the module docstring).
         The id actually used goes to `result.turn_ids`, failed or not."""
-        attempt, retry, waited = turn, 0, 0.0
+        attempt, retry, waited, asked_again = turn, 0, 0.0, False
         while True:
             try:
                 if isinstance(attempt, LlmStream):
@@ -248,11 +253,15 @@ class ToolLoop:
                     await asyncio.sleep(IN_PROGRESS_POLL_SECONDS)
                     waited += IN_PROGRESS_POLL_SECONDS
                     continue
-                # A turn lost with its metering replica (a silent stream, no reply): its
-                # id stays claimed (held) there, so only the next retry id can run.
+                # A turn lost with its metering replica (a silent stream, no reply): metering
+                # knows whether that replica still runs it (see the module docstring).
                 lost = isinstance(exc, TurnLost)
+                if lost and self._in_progress_wait is not None and not asked_again:
+                    asked_again = True
+                    self._client.ask_again(attempt.turn_id)
+                    continue
                 if (lost or exc.code in self._retryable) and retry < MAX_TURN_RETRIES:
-                    retry, waited = retry + 1, 0.0
+                    retry, waited, asked_again = retry + 1, 0.0, False
                     attempt = turn.model_copy(update={"turn_id": f"{turn.turn_id}.r{retry}"})
                     continue
                 result.turn_ids.append(attempt.turn_id)

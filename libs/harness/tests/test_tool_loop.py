@@ -318,6 +318,25 @@ async def test_a_turn_still_running_is_waited_for_and_replayed_when_the_loop_may
     assert (await run_cost(nc, ctx.run_id))[0] == 1
 
 
+async def test_a_turn_given_up_while_its_replica_still_runs_it_is_replayed_not_run_again(
+    nc: Client, scripted: Metering
+) -> None:
+    """A replica that only seems lost (here: slower than the client's timeout) still runs
+    the turn: asked for again, metering says so, and its reply is replayed when it comes;
+    the turn is called and billed once."""
+    ctx = context("slowpoke")
+    calls_before = scripted.calls
+    hasty = MeteringClient(nc, timeout=0.3)  # gives the turn up while the model writes
+    loop = ToolLoop(hasty, [], max_iterations=1, in_progress_wait_seconds=60)
+
+    result = await loop.run(ctx)
+
+    assert result.status == "completed" and len(result.final_text.split()) == 40
+    assert result.turn_ids == [ctx.turn_id_of(1)]
+    assert scripted.calls - calls_before == 1
+    assert (await run_cost(nc, ctx.run_id))[0] == 1
+
+
 class FailsOnce(ScriptedProvider):
     """The scripted model, whose very first call fails as a provider outage would."""
 

@@ -86,6 +86,11 @@ class ConsumerSpec:
     # The server's AckWait (its default, 30 s, when None). With BackOff set, a message
     # held unacknowledged is redelivered after its backoff step, not after AckWait.
     ack_wait: float | None = None
+    # The least time the server gives a held message before delivering it again (its
+    # holder dead or stalled): each step of the server's schedule is at least this, while
+    # a nak's delay still follows `backoff`. A holder reports its messages in progress
+    # within it (`keep_alive_interval`), a message each time; None: the backoff steps.
+    redeliver_held_after: float | None = None
     # Pullers of this durable per replica, each handling one fetched batch at a time.
     workers: int = 1
     # How often the consumer is compared with this declaration, and put back if it
@@ -100,16 +105,24 @@ class ConsumerSpec:
             deliver_policy=self.deliver_policy,
             filter_subjects=list(self.filter_subjects),
             max_deliver=self.max_deliver,
-            backoff=list(self.backoff[: self.max_deliver - 1]),
+            backoff=self.redelivery[: self.max_deliver - 1],
             max_ack_pending=1000,
             ack_wait=self.ack_wait,
         )
 
     @property
+    def redelivery(self) -> list[float]:
+        """The server's schedule (its BackOff): how long the n-th delivery of a message may
+        be held unsettled before the server delivers it again."""
+        least = self.redeliver_held_after or 0.0
+        return [max(step, least) for step in self.backoff]
+
+    @property
     def keep_alive_interval(self) -> float:
-        """How often a held message is reported in progress: well within both the backoff
-        step (the server's redelivery time with BackOff) and AckWait."""
-        limit = min(self.backoff[0], self.ack_wait or self.backoff[0])
+        """How often a held message is reported in progress: well within both the first
+        step of the server's schedule (its redelivery time with BackOff) and AckWait."""
+        first = self.redelivery[0]
+        limit = min(first, self.ack_wait or first)
         return max(limit / 3, 0.05)
 
     def delay_after(self, deliveries: int) -> float:
@@ -199,6 +212,7 @@ class DurableConsumer:
             watch.cancel()
             for task in list(self._inflight):
                 task.cancel()
+            await self._hand_back()
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
                 await sub.unsubscribe()
@@ -272,15 +286,34 @@ class DurableConsumer:
         await self._handle_held(msg)
 
     async def _handle_held(self, msg: Msg) -> None:
+        stopping = False
         try:
             await self._handle(msg)
+        except asyncio.CancelledError:
+            # This task told to stop (not a cancelled future it awaited): the consumer is
+            # stopping, and hands the message back (`_hand_back`) while it is held.
+            task = asyncio.current_task()
+            stopping = task is not None and task.cancelling() > 0
+            raise
         finally:
-            self._held.pop(id(msg), None)
+            if not stopping:
+                self._held.pop(id(msg), None)
+
+    async def _hand_back(self) -> None:
+        """Stopping: every message held and not settled goes back to JetStream now, for a
+        replica that stays, rather than after the server's redelivery time. One whose
+        effect committed before its ack went out is redelivered to a handler that is
+        idempotent, as after any late ack."""
+        held, self._held = list(self._held.values()), {}
+        for msg, _ in held:
+            with contextlib.suppress(Exception):  # the connection gone: the server's time
+                await msg.nak()
 
     async def _keep_alive(self) -> None:
-        """With BackOff set, JetStream's ack wait is `backoff[0]`: a handler that runs longer
-        (an LLM turn, an analysis), or a message waiting for its turn, would be redelivered
-        — to another replica — while it is still held, unless `in_progress` resets the timer.
+        """With BackOff set, JetStream's ack wait is its first step (`redelivery`): a
+        handler that runs longer (an LLM turn, an analysis), or a message waiting for its
+        turn, would be redelivered — to another replica — while it is still held, unless
+        `in_progress` resets the timer.
         """
         interval = self.spec.keep_alive_interval
         while True:

@@ -119,7 +119,11 @@ class Runtime:
         """Drain this schema's outbox through `sender` for the life of the service; the
         relay is returned for `deliver_now`."""
         relay = OutboxRelay(
-            self.pool, sender, self.settings.outbox_batch, self.settings.outbox_poll_seconds
+            self.pool,
+            sender,
+            self.settings.outbox_batch,
+            self.settings.outbox_poll_seconds,
+            self.settings.outbox_lease_seconds,
         )
         self.background(relay.run(), name)
         return relay

@@ -46,6 +46,9 @@ class ServiceSettings(BaseSettings):
     endpoint_concurrency: int = 256
     outbox_batch: int = 256
     outbox_poll_seconds: float = 1.0
+    # How long a relay's claim keeps its rows from other relays (servicekit.outbox.relay):
+    # the rows of a relay that died wait that long for another.
+    outbox_lease_seconds: float = 10.0
     # The /metrics, /livez, /readyz HTTP port (servicekit.metrics); 0 takes a free one.
     # 127.0.0.1 by default; a pod sets 0.0.0.0 so that Prometheus and the probes reach it.
     metrics_port: int = 0

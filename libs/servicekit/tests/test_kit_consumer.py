@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import asyncpg
@@ -20,7 +20,7 @@ from contracts import streams, subjects
 from servicekit.consumer import ConsumerSpec, DurableConsumer, Permanent, claim_once
 from testkit.probes import stream_messages, wait_for
 
-from .conftest import Background, RunConsumer
+from .conftest import Background, RunConsumer, stop
 
 # Starts a DurableConsumer in the background (stopped at the end of the test).
 
@@ -387,3 +387,100 @@ async def test_a_message_settled_within_the_keep_alive_interval_is_never_reporte
 
     assert b"+WPI" not in acks
     assert len(acks) == 10  # the acks (nats-py's is an empty body)
+
+
+async def test_a_message_held_within_the_least_redelivery_time_is_neither_reported_nor_redelivered(
+    nc: Client,
+    js: JetStreamContext,
+    pool: asyncpg.Pool,
+    stream: tuple[str, str],
+    run_consumer: RunConsumer,
+) -> None:
+    # A handler that takes several backoff steps by design (an LLM turn): given a least
+    # redelivery time beyond its hold, the server waits for it, so the holder sends no
+    # progress report, while a failure is still retried after the backoff step.
+    _, prefix = stream
+    spec = replace(spec_for(stream, backoff=(0.1, 0.2)), redeliver_held_after=5.0)
+    assert spec.delay_after(1) == 0.1
+    acks: list[bytes] = []
+
+    async def on_ack(msg: Msg) -> None:
+        acks.append(msg.data)
+
+    await nc.subscribe(f"$JS.ACK.{spec.stream}.{spec.durable}.>", cb=on_ack)
+    await nc.flush()
+    calls = Calls()
+
+    async def handler(msg: Msg) -> None:
+        calls.record(msg)
+        await asyncio.sleep(0.6)  # six first backoff steps, a tenth of the least redelivery
+
+    for _ in range(2):  # two replicas of the service share the durable consumer
+        run_consumer(spec, handler)
+    await publish(js, f"{prefix}.a", "m-1")
+
+    await wait_for(lambda: settled(js, spec, 1), what="the message settled")
+    assert calls.of(f"{prefix}.a") == [1]
+    assert b"+WPI" not in acks
+    assert await dead_letters(pool) == []
+    info = await consumer_info(js, spec)
+    assert info is not None and info.config.backoff == [5.0, 5.0]
+
+
+async def test_a_consumer_stopping_hands_what_it_holds_to_another_replica_at_once(
+    js: JetStreamContext,
+    nc: Client,
+    pool: asyncpg.Pool,
+    stream: tuple[str, str],
+    background: Background,
+) -> None:
+    # A replica restarting (a deploy) with a message in hand: the replica that stays takes
+    # it now, not after the server's least redelivery time (here far beyond the wait).
+    _, prefix = stream
+    spec = replace(spec_for(stream), redeliver_held_after=120.0)
+    calls = Calls()
+    taken = asyncio.Event()
+
+    async def handler(msg: Msg) -> None:
+        calls.record(msg)
+        if msg.metadata.num_delivered == 1:
+            taken.set()
+            await asyncio.Event().wait()  # held until its replica stops
+
+    first = background(DurableConsumer(nc, js, pool, spec, handler).run())
+    await publish(js, f"{prefix}.a", "m-1")
+    await asyncio.wait_for(taken.wait(), 15)
+    await stop(first)
+    background(DurableConsumer(nc, js, pool, spec, handler).run())
+
+    await wait_for(lambda: settled(js, spec, 1), timeout=30, what="the message handed over")
+    assert calls.of(f"{prefix}.a") == [1, 2]
+
+
+async def test_a_handler_ended_by_a_cancelled_future_leaves_its_message_for_redelivery(
+    js: JetStreamContext,
+    nc: Client,
+    pool: asyncpg.Pool,
+    stream: tuple[str, str],
+    background: Background,
+) -> None:
+    # Only a consumer that stops keeps what it holds, to hand it back: a handler that
+    # ends on a cancelled future it awaited (an actor stopped under it) leaves the
+    # message unreported, for the server to deliver again.
+    _, prefix = stream
+    spec = spec_for(stream)
+    calls = Calls()
+
+    async def handler(msg: Msg) -> None:
+        calls.record(msg)
+        if msg.metadata.num_delivered == 1:
+            gone = asyncio.get_running_loop().create_future()
+            gone.cancel()
+            await gone
+
+    consumer = DurableConsumer(nc, js, pool, spec, handler, ordering_key=lambda _: "one")
+    background(consumer.run())
+    await publish(js, f"{prefix}.a", "m-1")
+
+    await wait_for(lambda: settled(js, spec, 1), what="the message delivered again and acked")
+    assert calls.of(f"{prefix}.a") == [1, 2]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.resources import files
 from typing import Any
 
 import asyncpg
@@ -14,6 +16,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from contracts import subjects
@@ -22,7 +25,7 @@ from contracts.session_events import MAX_EVENT_PAYLOAD_BYTES, AppendedReply, App
 from domain.errors import DomainError
 from servicekit import metrics, outbox
 from servicekit.consumer import claim_once
-from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
+from servicekit.db import KIT_MIGRATIONS, create_pool, migrate, migration_set
 from servicekit.endpoint import error_reply
 from servicekit.outbox import (
     DELIVERED,
@@ -38,6 +41,8 @@ from servicekit.outbox import (
 from testkit.probes import stream_messages, wait_for
 
 MakeStream = Callable[..., Awaitable[tuple[str, str]]]
+# The migration that gives the outbox its lease columns.
+LEASE_MIGRATION = f"{KIT_MIGRATIONS}:0004_outbox_lease.sql"
 
 
 def dead_letters(subject: str) -> float:
@@ -103,20 +108,6 @@ class RecordingSender:
         return [DELIVERED for _ in rows]
 
 
-async def claim_running(pool: asyncpg.Pool) -> None:
-    """Wait until another session of this database is running a relay's claim."""
-
-    async def running() -> bool:
-        found: bool = await pool.fetchval(
-            """SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                WHERE datname = current_database() AND pid <> pg_backend_pid()
-                  AND state = 'active' AND query ILIKE '%DELETE FROM outbox%')"""
-        )
-        return found
-
-    await wait_for(running, timeout=10, interval=0.001)
-
-
 async def test_a_key_another_relay_is_delivering_is_left_to_it(
     pool: asyncpg.Pool,
     js: JetStreamContext,
@@ -144,41 +135,165 @@ async def test_a_key_another_relay_is_delivering_is_left_to_it(
     assert await waiting(pool) == []
 
 
-async def test_a_claim_that_began_before_another_relay_put_a_row_back_does_not_overtake_it(
+class StallingSender:
+    """Publishes rows one after another through `inner`, and stalls before the row at
+    `stall_at` until the test releases it: a relay caught mid-publish, slow or dead."""
+
+    def __init__(self, inner: JetStreamPublisher, stall_at: int) -> None:
+        self.stalled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.release = asyncio.Event()
+        self._inner = inner
+        self._stall_at = stall_at
+        self.claimed: list[str] = []
+
+    async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+        self.claimed = [r.msg_id for r in rows]
+        results: list[Delivery] = []
+        for n, row in enumerate(rows):
+            if n == self._stall_at:
+                self.stalled.set_result(None)
+                await self.release.wait()
+            results += await self._inner.send([row])
+        return results
+
+
+async def stalled_after_one(
+    pool: asyncpg.Pool, nc: Client, *rows: tuple[str, str, str | None]
+) -> tuple[StallingSender, asyncio.Task[int]]:
+    """Commit `rows`, and a relay that claims them (its lease lasting an hour), publishes
+    the first and stalls: its sender, and its drain."""
+    await enqueue_committed(pool, *rows)
+    sender = StallingSender(JetStreamPublisher(nc), stall_at=1)
+    drain = asyncio.create_task(OutboxRelay(pool, sender, lease_seconds=3600).drain_once())
+    await asyncio.wait_for(sender.stalled, 10)
+    return sender, drain
+
+
+async def expire_leases(pool: asyncpg.Pool) -> None:
+    """The clock passes the end of every lease held: what the relays see once it has."""
+    await pool.execute("UPDATE outbox SET leased_until = now() WHERE lease IS NOT NULL")
+
+
+async def publishes_seen(nc: Client, prefix: str) -> tuple[Counter[str], Subscription]:
+    """Every publish on `<prefix>.>`, counted by msg id, even the copies the stream drops."""
+    seen: Counter[str] = Counter()
+
+    async def count(msg: Msg) -> None:
+        seen[(msg.headers or {})["Nats-Msg-Id"]] += 1
+
+    return seen, await nc.subscribe(f"{prefix}.>", cb=count)
+
+
+async def test_the_rows_of_a_relay_that_died_holding_a_lease_go_in_order_once_it_expires(
+    pool: asyncpg.Pool,
+    js: JetStreamContext,
+    nc: Client,
+    stream: tuple[str, str],
+    make_pool: Callable[[], Awaitable[asyncpg.Pool]],
+) -> None:
+    _, prefix = stream
+    seen, spy = await publishes_seen(nc, prefix)
+    # The relay publishes k-1 and dies: it never deletes, nor sends anything else.
+    _, dying = await stalled_after_one(
+        pool,
+        nc,
+        (f"{prefix}.a", "k-1", "K"),
+        (f"{prefix}.b", "k-2", "K"),
+        (f"{prefix}.a", "l-1", "L"),
+    )
+    await enqueue_committed(pool, (f"{prefix}.a", "k-3", "K"))  # after its claim
+    other = OutboxRelay(await make_pool(), JetStreamPublisher(nc))
+
+    assert await other.drain_once() == 0  # the lease holds every key it covers, k-3's too
+    await expire_leases(pool)
+    assert await other.drain_once() == 4
+
+    ids = await published_ids(nc, stream)
+    assert sorted(ids) == ["k-1", "k-2", "k-3", "l-1"]  # each once: k-1's copy was dropped
+    assert [i for i in ids if i.startswith("k")] == ["k-1", "k-2", "k-3"]
+    await nc.flush()
+    assert seen["k-1"] == 2, "the second relay sent k-1 again, as it must not know it went"
+    assert await waiting(pool) == []
+    await spy.unsubscribe()
+    dying.cancel()
+
+
+async def test_a_relay_whose_lease_expired_mid_publish_reorders_nothing(
+    pool: asyncpg.Pool,
+    js: JetStreamContext,
+    nc: Client,
+    stream: tuple[str, str],
+    make_pool: Callable[[], Awaitable[asyncpg.Pool]],
+) -> None:
+    # What holds: the stream stores a key's rows once each, in the order written. Each
+    # relay sends a row only once the one before it was acknowledged (so stored, by
+    # whichever relay), and a copy sent within the stream's duplicate window is dropped;
+    # beyond that window, consumers drop it by msg id.
+    _, prefix = stream
+    seen, spy = await publishes_seen(nc, prefix)
+    slow, late = await stalled_after_one(
+        pool, nc, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.b", "k-2", "K")
+    )  # k-1 published, k-2 not yet
+    await expire_leases(pool)
+    await enqueue_committed(pool, (f"{prefix}.a", "k-3", "K"))
+    taking_over = StallingSender(JetStreamPublisher(nc), stall_at=0)
+    other = asyncio.create_task(OutboxRelay(await make_pool(), taking_over).drain_once())
+    await asyncio.wait_for(taking_over.stalled, 10)
+    assert taking_over.claimed == ["k-1", "k-2", "k-3"]
+
+    taking_over.release.set()  # k-1 again, then k-2 and k-3, all before the slow k-2
+    assert await other == 3
+    slow.release.set()
+    assert await late == 2
+
+    assert await published_ids(nc, stream) == ["k-1", "k-2", "k-3"]
+    await nc.flush()
+    assert seen == Counter({"k-1": 2, "k-2": 2, "k-3": 1})
+    assert await waiting(pool) == []
+    await spy.unsubscribe()
+
+
+async def test_a_relay_whose_lease_expired_leaves_the_rows_to_the_relay_that_took_them(
     pool: asyncpg.Pool, make_pool: Callable[[], Awaitable[asyncpg.Pool]]
 ) -> None:
-    # Relay A delivers k-1 and k-2 and will put k-2 back for a retry. Relay B's claim
-    # starts while A holds the key, and reaches the key's later row k-3 only after A
-    # committed: B's snapshot, taken when its claim started, still shows k-2 as A found
-    # it (ready, not waiting for a retry), and A no longer holds the key's lock.
+    # The slow relay fails k-2: its retry would push the key back behind a backoff, and
+    # free the row from the lease of the relay now delivering it.
     await enqueue_committed(pool, ("s.a", "k-1", "K"), ("s.a", "k-2", "K"))
-    first = AwaitingSender(failing=frozenset({"k-2"}))
-    busy = asyncio.create_task(OutboxRelay(pool, first).drain_once())
-    assert await asyncio.wait_for(first.claimed, 10) == ["k-1", "k-2"]
-    # Rows of a key a third transaction holds, before k-3: B looks at each and passes
-    # on, which keeps its claim running until A has committed.
-    await pool.execute(
-        """INSERT INTO outbox (subject, msg_id, body, ordering_key)
-           SELECT 's.a', 'l-' || n, '{}', 'L' FROM generate_series(1, 20000) n"""
-    )
-    await enqueue_committed(pool, ("s.a", "k-3", "K"))
+    slow = AwaitingSender(failing=frozenset({"k-2"}))
+    late = asyncio.create_task(OutboxRelay(pool, slow, lease_seconds=3600).drain_once())
+    await asyncio.wait_for(slow.claimed, 10)
+    await expire_leases(pool)
+    taking_over = AwaitingSender()
+    other = asyncio.create_task(OutboxRelay(await make_pool(), taking_over).drain_once())
+    assert await asyncio.wait_for(taking_over.claimed, 10) == ["k-1", "k-2"]
+
+    slow.release.set()
+    assert await late == 2
+    assert await waiting(pool) == [("k-1", 0), ("k-2", 0)]
+
+    taking_over.release.set()
+    assert await other == 2
+    assert await waiting(pool) == []
+
+
+async def test_a_claim_beside_another_relays_uncommitted_claim_does_not_overtake_its_rows(
+    pool: asyncpg.Pool, make_pool: Callable[[], Awaitable[asyncpg.Pool]]
+) -> None:
+    # Relay A's claim has taken k-1 and k-2 and not yet committed their lease when relay
+    # B's claim starts: B's snapshot shows them free, B passes over them (A's claim locks
+    # them), and reaches k-3, the key's next row, which A's claim did not take.
+    await enqueue_committed(pool, ("s.a", "k-1", "K"), ("s.a", "k-2", "K"))
     second = RecordingSender()
     other = OutboxRelay(await make_pool(), second)
-    async with pool.acquire() as holder, holder.transaction():
-        lock_l = outbox.key_lock("'L'")
-        await holder.execute(f"SELECT pg_advisory_xact_lock({lock_l})")
-        claiming = asyncio.create_task(other.drain_once())
-        await claim_running(pool)
-        first.release.set()
-        await busy
-        # B claimed k-3 (after A committed, or the test missed the moment it is about)
-        assert await claiming == 1
+    async with pool.acquire() as first, first.transaction():
+        taken = await first.fetch(outbox.CLAIM, 10, 60, uuid.uuid4())
+        assert sorted(r["msg_id"] for r in taken) == ["k-1", "k-2"]
+        await enqueue_committed(pool, ("s.a", "k-3", "K"), ("s.a", "l-1", "L"))
 
-    assert "k-3" not in second.sent  # k-2 waits for its retry: k-3 waits behind it
-    assert [msg_id for msg_id, _ in await waiting(pool) if msg_id.startswith("k")] == [
-        "k-2",
-        "k-3",
-    ]
+        assert await other.drain_once() == 2  # k-3 claimed and given back, l-1 delivered
+
+    assert second.sent == ["l-1"]
+    assert await pool.fetchval("SELECT lease FROM outbox WHERE msg_id = 'k-3'") is None
 
 
 def test_a_claimed_row_whose_predecessor_was_not_claimed_with_it_is_held_with_its_key() -> None:
@@ -608,8 +723,8 @@ async def test_outboxes_of_two_services_in_one_database_do_not_hold_each_other_b
                 )
         async with pools["svc_a"].acquire() as holder, holder.transaction():
             # svc_a's relay is in the middle of delivering session S (its claim holds
-            # whatever lock the relay takes for the key) ...
-            assert len(await holder.fetch(outbox.CLAIM, 10)) == 1
+            # the key's rows) ...
+            assert len(await holder.fetch(outbox.CLAIM, 10, 60, uuid.uuid4())) == 1
             # ... and svc_b's relay still claims and delivers its own row of S at once.
             assert await OutboxRelay(pools["svc_b"], JetStreamPublisher(nc)).drain_once() == 1
         assert await published_ids(nc, stream) == ["svc_b-1"]
@@ -709,3 +824,42 @@ async def test_deliver_now_gives_up_after_its_timeout_and_leaves_the_row_to_the_
     assert not await OutboxRelay(pool, JetStreamPublisher(nc)).deliver_now("K", timeout=1)
     [(msg_id, attempts)] = await waiting(pool)
     assert msg_id == "k-1" and attempts >= 1
+
+
+async def test_an_outbox_from_before_leases_is_upgraded_at_start_and_its_rows_still_go(
+    database_url: str,
+) -> None:
+    # A service's schema as the last release left it: every kit migration before the
+    # lease, and a committed row its relay had not delivered yet.
+    schema = f"before_lease_{uuid.uuid4().hex[:8]}"
+    checksums = migration_set([KIT_MIGRATIONS])
+    pool = await create_pool(database_url, schema)
+    try:
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute(f'CREATE SCHEMA "{schema}"')
+            await conn.execute(
+                f"""CREATE TABLE "{schema}".schema_migrations (
+                        name text PRIMARY KEY, checksum text NOT NULL,
+                        applied_at timestamptz NOT NULL DEFAULT now())"""
+            )
+            for name in (n for n in checksums if n < LEASE_MIGRATION):
+                await conn.execute((files(KIT_MIGRATIONS) / name.split(":")[1]).read_text())
+                await conn.execute(
+                    "INSERT INTO schema_migrations (name, checksum) VALUES ($1, $2)",
+                    name,
+                    checksums[name],
+                )
+        await pool.execute(
+            """INSERT INTO outbox (subject, msg_id, body, ordering_key)
+               VALUES ('s.a', 'old', '{}', 'K')"""
+        )
+
+        assert LEASE_MIGRATION in await migrate(pool, schema, [KIT_MIGRATIONS])
+
+        sender = RecordingSender()
+        assert await OutboxRelay(pool, sender).drain_once() == 1
+        assert sender.sent == ["old"]
+        assert await waiting(pool) == []
+    finally:
+        await pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await pool.close()

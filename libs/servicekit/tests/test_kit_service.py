@@ -8,7 +8,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import asyncpg
@@ -347,6 +347,12 @@ def test_held_messages_are_reported_in_progress_well_within_backoff_and_ack_wait
         pytest.approx(0.2)
     )
     assert spec.config().ack_wait is None  # the server's default unless asked
+    # Given a least redelivery time, the server's schedule and the reports follow it; a
+    # nak's delay still follows the backoff.
+    patient = replace(spec, redeliver_held_after=6.0)
+    assert patient.config().backoff == [6.0, 10.0]
+    assert patient.keep_alive_interval == 2.0
+    assert patient.delay_after(1) == 3.0
     assert ConsumerSpec("d", "S", ["a.>"], ack_wait=30.0).config().ack_wait == 30.0
 
 

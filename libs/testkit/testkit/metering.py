@@ -10,6 +10,7 @@ fixtures run its real `main` rather than a stand-in.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ async def start_metering(nats_url: str, database_url: str, nc: Client) -> AsyncI
     async with AsyncExitStack() as stack:
 
         async def start(provider: Provider | None = None, **overrides: Any) -> Metering:
+            # Replicas in one process: each its own instance id, as separate processes have.
+            overrides.setdefault("instance_id", f"metering-{uuid.uuid4().hex[:8]}")
             settings = MeteringSettings(
                 nats_url=nats_url, database_url=database_url, provider="scripted", **overrides
             )

@@ -56,6 +56,7 @@ def inputs_spec(settings: CriativoSettings) -> ConsumerSpec:
         backoff=list(settings.retry_backoff_seconds),
         batch=settings.consumer_batch,
         ack_wait=settings.ack_wait_seconds,
+        redeliver_held_after=settings.redeliver_held_input_after_seconds,
     )
 
 

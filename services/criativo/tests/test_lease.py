@@ -15,7 +15,10 @@ from nats.aio.msg import Msg
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from structlog.testing import capture_logs
 
+from contracts import streams
+from criativo.app import inputs_spec
 from criativo.lease import BUCKET, SessionLeases, open_leases
+from criativo.settings import CriativoSettings
 from servicekit.bus import Bucket, server_urls
 from servicekit.embedded import start_nats_cluster
 from testkit.probes import wait_for
@@ -211,3 +214,16 @@ async def test_a_lease_outlives_a_cluster_without_quorum_shorter_than_its_ttl() 
         finally:
             await nc.close()
             cluster.stop()
+
+
+def test_an_input_stays_with_its_replica_no_longer_than_a_dead_holders_lease_would_keep_it() -> (
+    None
+):
+    # An input whose replica died mid-turn can run nowhere else before the lease it left
+    # expires: JetStream hands it over within that TTL, not within the first retry step,
+    # so a turn of a few seconds is reported in progress once or not at all.
+    settings = CriativoSettings()
+    spec = inputs_spec(settings)
+    assert settings.retry_backoff_seconds[0] < spec.redelivery[0] <= streams.LEASES.ttl_seconds
+    assert 3.0 / spec.keep_alive_interval < 2
+    assert spec.delay_after(1) == settings.retry_backoff_seconds[0]  # naks follow the retries

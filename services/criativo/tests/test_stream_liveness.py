@@ -33,6 +33,8 @@ SLOW = {"steps": [{"text": " ".join(f"w{i}" for i in range(40)), "token_delay_ms
 # A model that thinks for ten minutes before its first word, then one that answers at once.
 THINKING = {"steps": [{"text": "Pensei muito.", "token_delay_ms": 600_000}]}
 QUICK = {"steps": [{"text": "Resposta rápida."}]}
+# A model slower than Criativo's silence window (2 s here), writing a word every 1.5 s.
+PONDERING = {"steps": [{"text": "Uma resposta pensada bem devagar.", "token_delay_ms": 1500}]}
 
 
 @dataclass
@@ -147,3 +149,21 @@ async def test_metering_sigkilled_before_the_first_delta_the_turn_is_retried_and
     assert answer.payload["turn_id"] == f"{first}.r1"
     assert answer.payload["text"] == QUICK["steps"][0]["text"]
     assert turn_ids(deltas) == {f"{first}.r1"}
+
+
+async def test_a_live_replica_slower_than_the_silence_window_runs_and_bills_the_turn_once(
+    scene: Scene,
+) -> None:
+    """A replica that beats is never given up, however long its model takes: the turn is
+    not run again under a retry id, so it is not billed twice."""
+    await scene.start_metering(scene.scripted("pondering", PONDERING))
+    session = await scene.driver.open()
+    said = await scene.driver.say(session, "Um app para padarias de bairro")
+
+    answer = await scene.answered_once(session, said)
+    first = f"criativo.{said}.1"
+    assert answer.payload["turn_id"] == first
+    billed = await scene.driver.db.fetch(
+        "SELECT turn_id FROM metering.token_usage WHERE turn_id LIKE $1", f"{first}%"
+    )
+    assert [r["turn_id"] for r in billed] == [first]

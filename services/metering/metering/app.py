@@ -8,9 +8,10 @@ from metering.catalog import Catalog
 from metering.handlers import SERVICE, svc
 from metering.providers.base import Provider, Providers
 from metering.providers.scripted import DEFAULT_SCRIPT, Script, ScriptedProvider
+from metering.replicas import ReplicaLock
 from metering.repository import MeteringRepository
 from metering.settings import MeteringSettings
-from metering.sweeper import run_sweeper
+from metering.sweeper import run_orphan_sweeper, run_sweeper, settle_own
 from metering.turns import TurnRunner
 from servicekit.logs import get_logger
 from servicekit.runtime import run_service
@@ -34,6 +35,7 @@ def build_provider(settings: MeteringSettings, script: Script | None = None) -> 
             base_url=settings.anthropic_base_url,
             max_retries=settings.provider_max_retries,
             timeout=settings.provider_timeout_seconds,
+            connections=settings.endpoint_concurrency,
         )
     if script is None:
         script = Script.from_file(settings.script_path) if settings.script_path else DEFAULT_SCRIPT
@@ -67,6 +69,7 @@ def build_providers(settings: MeteringSettings, default: Provider) -> Providers:
         base_url=settings.openai_base_url,
         max_retries=settings.provider_max_retries,
         timeout=settings.provider_timeout_seconds,
+        connections=settings.endpoint_concurrency,
     )
     return Providers(default, openai)
 
@@ -82,7 +85,13 @@ async def main(
     providers = build_providers(settings, provider or build_provider(settings))
     cancels = cancels or Cancellations(settings.cancel_memory_seconds)
     async with svc.open(settings) as rt:
-        repo = MeteringRepository(rt.pool)
+        repo = MeteringRepository(rt.pool, settings.instance_id)
+        # Alive, as Postgres sees it, before the first hold: then what an earlier process
+        # of this id left is settled, since none of its calls runs any more.
+        lock = ReplicaLock(settings.database_url, settings.instance_id)
+        await lock.take()
+        await settle_own(repo)
+        rt.background(lock.keep(), "replica-lock")
         catalog = Catalog(repo)
         await catalog.reload()
         rt.background(catalog.watch(rt.nc, settings.catalog_refresh_seconds), "catalog-watch")
@@ -92,6 +101,7 @@ async def main(
             ),
             "hold-sweeper",
         )
+        rt.background(run_orphan_sweeper(repo, settings.orphan_sweep_seconds), "orphan-sweeper")
         # Listening before serving: a replica hears every cancel of the streams it runs.
         cancel_sub = await cancels.subscribe(rt.nc)
         runner = TurnRunner(repo, catalog, providers, rt.nc, cancels, settings.coalescing)
@@ -100,6 +110,7 @@ async def main(
                 rt, metadata=announced(providers), repo=repo, catalog=catalog, runner=runner
             )
         finally:
+            await lock.close()
             # Still listening while the turns in flight finished (`serve` drains them): a
             # person can stop a stream of a replica that is shutting down (another replica
             # serves the cancel).

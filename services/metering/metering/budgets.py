@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 import asyncpg
 
@@ -76,7 +77,8 @@ def _limits_in_force(project: str, person: str, amount: str, tokens: str) -> str
 # A held turn's ($1) counters: each admitted only if used + held + its share fits under
 # the limit, in this one statement (row locks taken in one order: scope, name, metric,
 # window), so parallel calls never promise the last cents twice. The hold notes what it
-# holds and for whom ($6: `domain.metering_turn.owner_of`). The caller's transaction is
+# holds and for whom ($6: `domain.metering_turn.owner_of`), and the replica and the call it
+# holds for ($7-$12: `HeldCall`). The caller's transaction is
 # rolled back when any counter refused: a call holds on all of them or on none.
 HOLD_LIMITS = (
     "WITH"
@@ -94,7 +96,9 @@ HOLD_LIMITS = (
        UPDATE budget_holds
           SET project_id = $2, person = $3, tokens_held = $5, owner = $6,
               counters = (SELECT coalesce(array_agg(scope || '/' || metric || '/' || win), '{}')
-                            FROM held)
+                            FROM held),
+              replica = $7, kind = $8, provider = $9, model = $10, agent_slug = $11,
+              session_id = $12
         WHERE turn_id = $1)
    SELECT w.scope, w.name, w.metric, w.win, w.starts, w.lim AS "limit", w.amount,
           coalesce(u.used, 0) AS used, coalesce(u.held, 0) AS held,
@@ -145,6 +149,44 @@ def settle_counters(cost: str, tokens: str) -> str:
 
 
 HOLD_RETURNING = "hold_micros, project_id, person, tokens_held, counters, created_at"
+
+
+@dataclass(frozen=True)
+class HeldCall:
+    """The replica that holds a hold and the call it holds for: what a survivor needs to
+    write the call's usage row when that replica dies between the call and its bill."""
+
+    replica: str | None
+    kind: str
+    provider: str
+    model: str
+    agent_slug: str
+    session_id: UUID | None
+
+
+# The usage row of a hold settled without its call's bill (its replica died): billed at
+# the hold, the call's worst case, since what it really used died with the replica.
+# `hold` is the settled hold's CTE, returning its turn and call besides `HOLD_RETURNING`.
+USAGE_FROM_HOLD = """,
+   usage AS (
+       INSERT INTO token_usage (turn_id, run_id, kind, provider, model, agent_slug,
+           project_id, session_id, input_tokens, output_tokens, cache_write_5m_tokens,
+           cache_write_1h_tokens, cache_read_tokens, cost_micros, status, error_code,
+           error_message, started_at, finished_at, billed_at_hold)
+       SELECT turn_id, run_id, coalesce(kind, 'turn'), coalesce(provider, 'unknown'),
+              coalesce(model, 'unknown'), coalesce(agent_slug, 'unknown'),
+              coalesce(project_id, 'unknown'), session_id, 0, 0, 0, 0, 0, hold_micros,
+              'error', 'replica_lost',
+              'the metering replica running this call died before billing it: billed at '
+              || 'its hold, the worst case (the call may not have reached the provider)',
+              created_at, now(), true
+         FROM hold
+       ON CONFLICT (turn_id) DO NOTHING)"""
+
+# A replica's advisory lock, held for its life on a connection of its own: Postgres frees
+# it when that connection ends, with the process, so a survivor that can take it knows
+# the replica is gone (`ReplicaLock`, `metering.sweeper`).
+REPLICA_LOCK_KEY = "hashtextextended('metering.replica:' || $1, 0)"
 
 
 @dataclass(frozen=True)
@@ -261,12 +303,19 @@ class BudgetTransaction:
         amount: int,
         tokens: int,
         owner: str,
+        call: HeldCall | None = None,
     ) -> list[LimitUse]:
-        """Hold the turn's share on every limit in force for the project and the person;
-        the limits it did not fit under (then nothing may be committed: the caller rolls
-        back). The turn's hold must be claimed in this transaction first."""
+        """Hold the turn's share on every limit in force for the project and the person,
+        noting `call` on the hold; the limits it did not fit under (then nothing may be
+        committed: the caller rolls back). The turn's hold must be claimed in this
+        transaction first."""
+        noted = (
+            (call.replica, call.kind, call.provider, call.model, call.agent_slug, call.session_id)
+            if call is not None
+            else (None,) * 6
+        )
         rows = await self._conn.fetch(
-            HOLD_LIMITS, turn_id, project_id, person, amount, tokens, owner
+            HOLD_LIMITS, turn_id, project_id, person, amount, tokens, owner, *noted
         )
         return [limit_use(r) for r in rows if not r["admitted"]]
 
@@ -321,24 +370,35 @@ class BudgetTransaction:
         )
         return version
 
-    async def settle_hold(self, turn_id: str, cost: int) -> int | None:
-        """Mark the turn's hold settled at `cost`, and its limits' counters with it (at the
-        tokens it held); returns what it held (None if settled before)."""
+    async def settle_hold(self, turn_id: str) -> int | None:
+        """Settle a hold whose call was never billed at what it holds: the hold, its limits'
+        counters (at the tokens it held) and the call's usage row (`USAGE_FROM_HOLD`);
+        returns what it held (None if settled before, by its bill or another survivor)."""
         held: int | None = await self._conn.fetchval(
             """WITH hold AS (
-                   UPDATE budget_holds SET status = 'settled', cost_micros = $2,
+                   UPDATE budget_holds SET status = 'settled', cost_micros = hold_micros,
                           settled_at = now()
                     WHERE turn_id = $1 AND status = 'held'
-                   RETURNING """
+                   RETURNING turn_id, run_id, kind, provider, model, agent_slug, session_id, """
             + HOLD_RETURNING
             + ")"
-            + settle_counters("$2", "r.tokens_held")
+            + settle_counters("r.hold_micros", "r.tokens_held")
+            + USAGE_FROM_HOLD
             + """
                SELECT hold_micros FROM hold""",
             turn_id,
-            cost,
         )
         return held
+
+    async def holds_of(self, replica: str) -> list[Any]:
+        """The live holds a replica made (call it only while holding its lock: it is gone)."""
+        return list(
+            await self._conn.fetch(
+                """SELECT turn_id, run_id, hold_micros FROM budget_holds
+                    WHERE status = 'held' AND replica = $1 ORDER BY created_at""",
+                replica,
+            )
+        )
 
     async def abandoned_holds(self, older_than_seconds: float, limit: int = 100) -> list[Any]:
         """Holds still live long after any call could have ended (the replica that made

@@ -17,6 +17,7 @@ from contracts.metering import (
     LimitsSetReply,
     LimitsStatus,
     LimitUse,
+    LlmStream,
     LlmTurn,
     SetBinding,
     SetLimits,
@@ -32,8 +33,10 @@ from domain.metering_turn import EndedTurn, Hold, UsageRecord, reserved, reserve
 from metering.budgets import (
     HOLD_RETURNING,
     LIMITS_STATUS,
+    REPLICA_LOCK_KEY,
     BudgetTransaction,
     CounterUse,
+    HeldCall,
     RememberedRuns,
     StoredRun,
     hold_if_unchanged_in,
@@ -41,6 +44,7 @@ from metering.budgets import (
     settle_counters,
     stored_run_of,
 )
+from servicekit.db import Connection
 
 BINDING_COLUMNS = "scope, project_id, agent_slug, session_id, model, updated_at, provider"
 
@@ -92,13 +96,21 @@ def tokens_of(usage: TokenUsage) -> int:
 class MeteringRepository:
     """Reads and transactions over the `metering` schema."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, replica: str | None = None) -> None:
+        """`replica`: this process's instance id, noted on every hold it makes (None: holds
+        no survivor can tell from a live one's, settled by age only)."""
         self._pool = pool
         self._runs = RememberedRuns()
+        self.replica = replica
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[BudgetTransaction]:
-        """One unit of work: everything inside commits together or not at all."""
+    async def transaction(self, on: Connection | None = None) -> AsyncIterator[BudgetTransaction]:
+        """One unit of work: everything inside commits together or not at all (on the
+        connection `on`, when the caller holds one)."""
+        if on is not None:
+            async with on.transaction():
+                yield BudgetTransaction(on)
+            return
         async with self._pool.acquire() as conn, conn.transaction():
             yield BudgetTransaction(conn)
 
@@ -118,10 +130,11 @@ class MeteringRepository:
         async with self._pool.acquire() as conn:
             return await hold_if_unchanged_in(conn, run_id, turn_id, amount, seen, run)
 
-    async def reserve(self, cmd: LlmTurn, hold: Hold) -> Reservation:
+    async def reserve(self, cmd: LlmTurn, hold: Hold, provider: str, model: str) -> Reservation:
         """Hold the turn's worst case on its run and on every limit of its project and
         person, all or nothing, deciding with `domain.metering_turn`; raises the run's
-        refusal, or `turn_id_reused`.
+        refusal, or `turn_id_reused`. The hold names this replica and the call to
+        `provider`'s `model` (`HeldCall`), for a survivor to bill should this replica die.
 
         The run's row first, then the limits' counters (the order a bill and the sweeper
         lock them in too). On the run, in one statement when this replica knows its row as
@@ -149,8 +162,22 @@ class MeteringRepository:
                     version = await tx.hold(cmd.run_id, cmd.turn_id, hold.micros, run)
                     if version is None:
                         return Reservation(claimed=False)
+                call = HeldCall(
+                    self.replica,
+                    "stream" if isinstance(cmd, LlmStream) else "turn",
+                    provider,
+                    model,
+                    cmd.agent_slug,
+                    cmd.session_id,
+                )
                 refused = await tx.hold_limits(
-                    cmd.turn_id, cmd.project_id, cmd.person, hold.micros, hold.tokens, hold.owner
+                    cmd.turn_id,
+                    cmd.project_id,
+                    cmd.person,
+                    hold.micros,
+                    hold.tokens,
+                    hold.owner,
+                    call,
                 )
                 if refused:
                     raise _LimitRefused(refused[0])
@@ -244,6 +271,29 @@ class MeteringRepository:
         if row["billed"]:
             self._runs.remember(record.run_id, run)
         return Bill(billed=row["billed"], run=run, counters=counters)
+
+    async def replicas_holding(self) -> list[str]:
+        """The other replicas that have live holds (alive or not: `if_gone` tells)."""
+        rows = await self._pool.fetch(
+            """SELECT DISTINCT replica FROM budget_holds
+                WHERE status = 'held' AND replica IS NOT NULL AND replica <> $1""",
+            self.replica or "",
+        )
+        return [r["replica"] for r in rows]
+
+    @asynccontextmanager
+    async def if_gone(self, replica: str) -> AsyncIterator[Connection | None]:
+        """A connection holding `replica`'s lock when it is free (the replica is gone: none
+        of its holds has a call running any more), else None; the lock is held for the
+        block, so a restart of that replica under the same id waits for it."""
+        async with self._pool.acquire() as conn:
+            if not await conn.fetchval(f"SELECT pg_try_advisory_lock({REPLICA_LOCK_KEY})", replica):
+                yield None
+                return
+            try:
+                yield conn
+            finally:
+                await conn.execute(f"SELECT pg_advisory_unlock({REPLICA_LOCK_KEY})", replica)
 
     async def owner_of(self, turn_id: str) -> str | None:
         """Whose request claimed the turn id (`domain.metering_turn.owner_of`); None when

@@ -35,6 +35,9 @@ class MeteringSettings(ServiceSettings):
     # worst case. Longer than any call: the provider timeout and every retry.
     abandoned_hold_seconds: float = 1800.0
     hold_sweep_interval_seconds: float = 60.0
+    # How often the holds of replicas that died (their lock is free) are looked for and
+    # settled: the budget a dead replica's call held is back within this.
+    orphan_sweep_seconds: float = 2.0
     # How long a cancel is remembered for a stream that has not started yet (the
     # announcement can overtake the stream request it stops).
     cancel_memory_seconds: float = DEFAULT_TTL_SECONDS

@@ -47,6 +47,7 @@ from metering.providers.base import Progress, Provider, Providers
 from metering.publisher import Coalescing
 from metering.repository import MeteringRepository
 from servicekit.endpoint import UNAVAILABLE_ERRORS
+from servicekit.faults import crash_point
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
@@ -90,7 +91,7 @@ class TurnRunner:
         price = self._catalog.price(binding.model, datetime.fromtimestamp(started, UTC).date())
 
         hold = hold_for(cmd, price)
-        repeated = await self._reserve(cmd, hold)
+        repeated = await self._reserve(cmd, hold, provider.name, binding.model)
         if repeated is not None:  # this turn id ran, or runs: answered from its row
             return repeated
 
@@ -99,6 +100,7 @@ class TurnRunner:
         outcome = await call(
             provider, cmd, request, progress, self._nc, self.cancels, self._coalescing
         )
+        crash_point("metering.before_bill")  # the call made, its bill not written
 
         timing = Timing(started, progress.first_token_at, self._clock())
         record = usage_record(
@@ -123,12 +125,14 @@ class TurnRunner:
             )
         return provider
 
-    async def _reserve(self, cmd: LlmTurn, hold: Hold) -> TurnReply | None:
+    async def _reserve(
+        self, cmd: LlmTurn, hold: Hold, provider: str, model: str
+    ) -> TurnReply | None:
         """Hold the turn's worst case on its run and its limits (`MeteringRepository.reserve`);
         None once held: the call may go. A turn id that already ran, or runs, is answered
         from its row and calls nothing."""
         try:
-            reservation = await self._repo.reserve(cmd, hold)
+            reservation = await self._repo.reserve(cmd, hold, provider, model)
             if reservation.refused is not None:
                 observe_refusal(reservation.refused)
                 raise limit_refusal(reservation.refused, datetime.now(UTC), hold.micros)

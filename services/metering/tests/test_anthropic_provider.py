@@ -321,3 +321,188 @@ async def test_metering_streams_and_bills_through_the_sdk_at_anthropic_base_url(
     row = await running.db.fetchrow("SELECT * FROM token_usage WHERE turn_id = $1", cmd.turn_id)
     assert row is not None
     assert (row["provider"], row["status"], row["cache_read_tokens"]) == ("anthropic", "ok", 2000)
+
+
+def thinking_block(index: int, pieces: list[str]) -> list[Any]:
+    return [
+        ("content_block_start", {"type": "content_block_start", "index": index,
+                                 "content_block": {"type": "thinking", "thinking": "",
+                                                   "signature": ""}}),
+        *[
+            ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                     "delta": {"type": "thinking_delta", "thinking": p}})
+            for p in pieces
+        ],
+        ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                 "delta": {"type": "signature_delta", "signature": "c2ln"}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": index}),
+    ]  # fmt: skip
+
+
+async def test_a_reply_of_several_blocks_is_assembled_from_many_small_deltas(
+    fake: FakeMessagesApi,
+) -> None:
+    tool_input = '{"title": "Opening hours", "origin": ["msg-1", "msg-2"], "n": 3}'
+    fake.replies.append(
+        streamed(
+            message_start(40),
+            thinking_block(0, ["The person ", "wants hours."]),
+            text_block(1, ["Record", "ing ", "it."]),
+            # the input's JSON cut at every character, as the API may stream it
+            tool_block(2, "toolu_1", "emit_artifact", list(tool_input)),
+            text_block(3, ["And ", "this."]),
+            tool_block(4, "toolu_2", "ask", ['{"q"', ': "why?"}']),
+            tool_block(5, "toolu_3", "noop", []),  # no input deltas: the input is {}
+            message_delta(30, stop_reason="tool_use"),
+            MESSAGE_STOP,
+        )
+    )
+    texts = Texts()
+    llm = provider(fake)
+    reply = await llm.complete(REQUEST, Progress(), texts)
+    await llm.close()
+    assert texts.pieces == ["Record", "ing ", "it.", "And ", "this."]  # no thinking handed on
+    assert reply.content == [
+        TextBlock(text="Recording it."),
+        ToolUseBlock(
+            id="toolu_1",
+            name="emit_artifact",
+            input={"title": "Opening hours", "origin": ["msg-1", "msg-2"], "n": 3},
+        ),
+        TextBlock(text="And this."),
+        ToolUseBlock(id="toolu_2", name="ask", input={"q": "why?"}),
+        ToolUseBlock(id="toolu_3", name="noop", input={}),
+    ]
+    assert reply.stop_reason == "tool_use"
+
+
+async def test_event_types_it_does_not_know_are_skipped(fake: FakeMessagesApi) -> None:
+    fake.replies.append(
+        streamed(
+            message_start(10),
+            ("future_event", {"type": "future_event", "anything": [1, 2]}),
+            text_block(0, ["Still "]),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                     "delta": {"type": "future_delta", "x": 1}}),
+            text_block(1, ["fine."]),
+            message_delta(3),
+            MESSAGE_STOP,
+        )
+    )  # fmt: skip
+    texts = Texts()
+    llm = provider(fake)
+    reply = await llm.complete(REQUEST, Progress(), texts)
+    await llm.close()
+    assert texts.pieces == ["Still ", "fine."]
+    assert reply.content == [TextBlock(text="Still "), TextBlock(text="fine.")]
+
+
+async def test_a_message_delta_with_input_and_cache_counts_replaces_message_starts(
+    fake: FakeMessagesApi,
+) -> None:
+    final = message_delta(7)
+    # The API may repeat every count at the end, cumulative: they replace, never add.
+    final[1]["usage"].update(
+        input_tokens=25, cache_read_input_tokens=1000, cache_creation_input_tokens=40
+    )
+    fake.replies.append(
+        streamed(
+            message_start(25, cache_read=1000, cache_5m=30, cache_1h=10),
+            text_block(0, ["ok"]),
+            message_delta(4, stop_reason=None),
+            final,
+            MESSAGE_STOP,
+        )
+    )
+    progress = Progress()
+    llm = provider(fake)
+    await llm.complete(REQUEST, progress, Texts())
+    await llm.close()
+    assert progress.usage == TokenUsage(
+        input_tokens=25,
+        output_tokens=7,
+        cache_write_5m_tokens=30,
+        cache_write_1h_tokens=10,
+        cache_read_tokens=1000,
+    )
+
+
+async def test_a_tool_input_that_is_not_a_json_object_fails_the_call_with_a_code(
+    fake: FakeMessagesApi,
+) -> None:
+    fake.replies.append(
+        streamed(
+            message_start(40),
+            tool_block(0, "toolu_1", "emit_artifact", ['{"title": ', "oops}"]),
+            message_delta(30, stop_reason="tool_use"),
+            MESSAGE_STOP,
+        )
+    )
+    sleeps = Sleeps()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, Progress(), Texts())
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert "not a JSON object" in failed.value.message
+    assert sleeps.delays == []  # the same request would get the same answer
+
+
+async def test_a_streamed_reply_builds_no_sdk_model_per_event(
+    fake: FakeMessagesApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Building a typed model of every event cost metering more CPU per token than the
+    # rest of its work; the stream is read raw.
+    fake.replies.append(
+        streamed(message_start(5), text_block(0, ["a ", "b ", "c"]), message_delta(3), MESSAGE_STOP)
+    )
+    llm = provider(fake)
+    built: list[object] = []
+    sdk_process = llm._client._process_response_data
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(kwargs.get("cast_to"))
+        return sdk_process(*args, **kwargs)
+
+    monkeypatch.setattr(llm._client, "_process_response_data", counting)
+    reply = await llm.complete(REQUEST, Progress(), Texts())
+    await llm.close()
+    assert reply.content == [TextBlock(text="a b c")]
+    assert built == []
+
+
+class CountingFake(FakeMessagesApi):
+    """Counts the connections clients open; holds every request until `gate` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connections = 0
+        self.gate = asyncio.Event()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        await super()._serve(reader, writer)
+
+    async def _one_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        await self.gate.wait()
+        return await super()._one_request(reader, writer)
+
+
+async def test_a_burst_of_calls_reuses_the_connections_of_the_burst_before() -> None:
+    # As many calls at once as the replica runs (`connections`; the SDK's own pool keeps
+    # 100): a burst opening connections anew pays a TLS handshake each against the real
+    # API before its first token.
+    burst = 6
+    fake = await CountingFake().start()
+    fake.replies.extend(Reply(body=message_body("hi", 5, 1)) for _ in range(2 * burst))
+    llm = AnthropicProvider(api_key="test-key", base_url=fake.base_url, connections=burst)
+    first = [asyncio.create_task(llm.complete(REQUEST, Progress(), None)) for _ in range(burst)]
+    await wait_for(lambda: fake.connections == burst, what="a connection per call")
+    fake.gate.set()
+    await asyncio.gather(*first)
+    await asyncio.gather(*(llm.complete(REQUEST, Progress(), None) for _ in range(burst)))
+    await llm.close()
+    await fake.stop()
+    assert fake.connections == burst

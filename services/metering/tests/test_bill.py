@@ -110,7 +110,7 @@ async def test_parallel_bills_of_one_run_each_count_once(
     assert await state(pool, "run-1") == (spent, 0, 20, ["settled"] * 20)
 
 
-async def test_a_hold_the_sweeper_settled_first_is_not_released_twice(
+async def test_a_hold_the_sweeper_settled_first_is_not_released_nor_billed_twice(
     repo: MeteringRepository, pool: asyncpg.Pool
 ) -> None:
     await held(repo, "run-1", "turn-late", "turn-other")
@@ -120,9 +120,14 @@ async def test_a_hold_the_sweeper_settled_first_is_not_released_twice(
     assert await sweep_once(repo, older_than_seconds=1800) == 1  # charged its worst case
 
     bill = await repo.bill(usage("turn-late", "run-1", 300))  # the call's bill, late
-    assert bill.billed
-    # Both charges stand (never under-counted); the other turn's hold is untouched.
-    assert await state(pool, "run-1") == (HOLD + 300, HOLD, 1, ["settled", "held"])
+    assert not bill.billed
+    # The call has one row, the sweeper's, at its worst case (never under-counted, never
+    # twice); the other turn's hold is untouched.
+    assert await state(pool, "run-1") == (HOLD, HOLD, 1, ["settled", "held"])
+    row = await pool.fetchrow(
+        "SELECT cost_micros, billed_at_hold FROM token_usage WHERE turn_id = 'turn-late'"
+    )
+    assert row is not None and (row["cost_micros"], row["billed_at_hold"]) == (HOLD, True)
 
 
 async def test_a_bill_waits_for_the_run_before_touching_the_hold(
@@ -142,8 +147,8 @@ async def test_a_bill_waits_for_the_run_before_touching_the_hold(
             what="the bill to wait for the run's lock",
         )
         # The hold is still free: the sweeper's second step goes through.
-        assert await sweeper.settle_hold("turn-1", HOLD) == HOLD
+        assert await sweeper.settle_hold("turn-1") == HOLD
         await sweeper.save_run("run-1", RunBudget(BUDGET, HOLD, 0))
-    bill = await billing
-    assert bill.billed
-    assert await state(pool, "run-1") == (HOLD + 300, 0, 1, ["settled"])
+    bill = await billing  # then finds the call billed (at its hold), and adds nothing
+    assert not bill.billed
+    assert await state(pool, "run-1") == (HOLD, 0, 1, ["settled"])

@@ -1,4 +1,5 @@
-"""Holds whose call died with its replica are released, charged at their worst case."""
+"""Holds whose call died with its replica are released, charged at their worst case,
+with a usage row that says so."""
 
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ async def test_an_abandoned_hold_is_settled_once_at_its_worst_case(database_url:
             for r in await pool.fetch("SELECT turn_id, status FROM budget_holds")
         }
         assert holds == {"turn-dead": "settled", "turn-live": "held"}
+        # The dead call has its usage row, at its worst case and marked so; the live one none.
+        rows = [
+            tuple(r)
+            for r in await pool.fetch(
+                "SELECT turn_id, cost_micros, billed_at_hold, error_code FROM token_usage"
+            )
+        ]
+        assert rows == [("turn-dead", 600, True, "replica_lost")]
     finally:
         await pool.close()
 

@@ -534,3 +534,28 @@ async def test_a_cancel_closes_the_openai_stream_and_bills_the_partial_answer(
     assert (row["status"], row["provider"]) == ("cancelled", "openai")
     assert usage_of(row) == reply.usage
     assert (hold["status"], run["reserved_micros"]) == ("settled", 0)
+
+
+async def test_a_streamed_reply_builds_no_sdk_model_per_chunk(
+    fake: FakeChatApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Building a typed model of every chunk cost metering more CPU per token than the
+    # rest of its work; the stream is read raw.
+    fake.replies.append(
+        Reply(chunks=[*text_chunks(["a ", "b ", "c"]), finish("stop"), usage_chunk(9, 3)])
+    )
+    llm = provider(fake)
+    built: list[object] = []
+    sdk_process = llm._client._process_response_data
+
+    def counting(*args: object, **kwargs: object) -> object:
+        built.append(kwargs.get("cast_to"))
+        return sdk_process(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llm._client, "_process_response_data", counting)
+    progress = Progress()
+    reply = await llm.complete(REQUEST, progress, Texts())
+    await llm.close()
+    assert reply.content == [TextBlock(text="a b c")]
+    assert progress.usage == TokenUsage(input_tokens=9, output_tokens=3)
+    assert built == []

@@ -86,7 +86,11 @@ async def test_a_kill_between_commit_and_publish_loses_and_duplicates_nothing(
 
     probe = CountingConsumer()
     consumer = asyncio.create_task(probe.run(nc, database_url))
-    doomed = spawn("session_events", AGENTBUS_FAULT_POINTS=crash_point)
+    # It dies holding the lease of its claim: the restarted relay takes the row once the
+    # lease has expired, so a short one keeps the wait short.
+    doomed = spawn(
+        "session_events", AGENTBUS_FAULT_POINTS=crash_point, AGENTBUS_OUTBOX_LEASE_SECONDS="1"
+    )
     await doomed.wait_ready(nc, "session_events")
     request = AppendEvent(
         session_id=opened.session_id,

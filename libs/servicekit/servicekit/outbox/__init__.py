@@ -13,7 +13,7 @@ the committed rows, each key's in the order written. The modules, each one idea:
   batch;
 - `commands`: the sender of queued commands to the services that own them
   (`CommandSender`: the log's appends, the handoff service's offers);
-- `relay`: `OutboxRelay`, its claim, its ordering guards, retries and dead letters.
+- `relay`: `OutboxRelay`, its leased claim, its ordering guards, retries and dead letters.
 
 Callers import the names below from `servicekit.outbox`.
 """
@@ -34,9 +34,9 @@ from servicekit.outbox.delivery import (
 from servicekit.outbox.publisher import ATOMIC_BATCH_MIN, BATCH_ID, JetStreamPublisher
 from servicekit.outbox.relay import (
     CLAIM,
+    LEASE_SECONDS,
     MAX_BACKOFF_SECONDS,
     OutboxRelay,
-    key_lock,
     overtaking,
     retry_delay,
 )
@@ -49,6 +49,7 @@ __all__ = [
     "CLAIM",
     "DELIVERED",
     "HELD_BACK",
+    "LEASE_SECONDS",
     "MAX_BACKOFF_SECONDS",
     "MAX_INTERNAL_ATTEMPTS",
     "NOTIFY_CHANNEL_PREFIX",
@@ -66,7 +67,6 @@ __all__ = [
     "check_appendable",
     "in_key_order",
     "key_chains",
-    "key_lock",
     "notify_channel",
     "one_after_another",
     "overtaking",

@@ -1,17 +1,24 @@
 """The relay: drains one schema's outbox through a sender.
 
-It claims committed rows with `FOR UPDATE SKIP LOCKED`, hands them to its sender
-(`JetStreamPublisher`, `CommandSender`), and deletes each row in the same transaction
-once it was delivered. A crash before that commit sends the row again: JetStream drops
-the copy inside its duplicate window (`Nats-Msg-Id`), the log drops it by idempotency
-key, and consumers are idempotent beyond both. `LISTEN/NOTIFY` (or the writer of its
-own process, `with_outbox`) wakes the relay early; polling is what guarantees progress.
+It claims committed rows with a **lease** (`CLAIM`: one statement, committing on its
+own, that marks the rows its own until `leased_until`), hands them to its sender
+(`JetStreamPublisher`, `CommandSender`) holding no transaction and no lock while the
+receiver answers, then deletes what was delivered (one statement). A relay that dies
+holding a lease leaves its rows to whichever relay claims them once the lease expired;
+one whose lease expired while it was still sending has lost them: whatever it writes
+afterwards names its lease (`lease = $n`) and changes nothing. Either way a row may be
+sent twice: JetStream drops the copy inside its duplicate window (`Nats-Msg-Id`), the log
+drops it by idempotency key, and consumers are idempotent beyond both. A second copy
+never lands ahead of a later row of its key: a sender sends a key's next row only once
+the receiver acknowledged the row before it (`one_after_another`, an atomic batch), so
+every row before it is stored by then, whoever sent it. `LISTEN/NOTIFY` (or the writer of
+its own process, `with_outbox`) wakes the relay early; polling is what guarantees progress.
 
 Order: rows sharing an `ordering_key` (a session id) are delivered in the order they
 were written — across retries and across relay replicas. A key with a row waiting
-for a retry holds its other rows back, and a key another relay is working on is
-skipped (an advisory lock per key); a claim never delivers a row whose predecessor of
-its key it did not claim too (`CLAIM`). Rows without a key have no order.
+for a retry holds its other rows back, and a key with a row another relay holds an
+unexpired lease on is skipped; a claim never delivers a row whose predecessor of its
+key it did not claim too (`CLAIM`, `overtaking`). Rows without a key have no order.
 
 Failures: a row the sender could not deliver is put back and retried with backoff
 (`retry_delay`) for as long as it takes; one the sender says can never go (a permanent
@@ -24,23 +31,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from servicekit.cancellation import raise_if_cancelling
-from servicekit.db import Connection
 from servicekit.faults import crash_point
 from servicekit.logs import get_logger
 from servicekit.metrics import DEAD_LETTERS
-from servicekit.outbox.delivery import OutboxRow, Sender
+from servicekit.outbox.delivery import Delivery, OutboxRow, Sender
 from servicekit.outbox.rows import notify_channel
 
 log = get_logger(__name__)
 
 MAX_BACKOFF_SECONDS = 60.0
+# How long a claim keeps its rows from other relays. Longer than a send takes (a
+# receiver's answer is awaited `SEND_TIMEOUT_SECONDS`), so that a live relay keeps its
+# rows; short, because the rows of a relay that died wait that long for another.
+LEASE_SECONDS = 10.0
 # The consumer label of the outbox's dead letters (servicekit.metrics.DEAD_LETTERS).
 OUTBOX_CONSUMER = "outbox"
 
@@ -68,51 +78,48 @@ def retry_delay(attempts: int) -> float:
     return float(min(0.5 * 2 ** max(attempts - 1, 0), MAX_BACKOFF_SECONDS))
 
 
-def key_lock(key: str) -> str:
-    """The id of the advisory lock a relay holds on an ordering key while it delivers the
-    key's rows, as SQL (the argument of `pg_*advisory_xact_lock`); `key` the SQL of the key."""
-    return f"hashtextextended('outbox:' || current_schema() || ':' || {key}, 0)"
-
+# Set in a statement that commits on its own, its commit does not wait for the WAL to reach
+# the disk. The claim and the delete of delivered rows are the relay's hot path, and each
+# would otherwise pay a disk flush (two per batch, where a claim in one transaction paid
+# one). Losing either to a crash of Postgres costs a row sent twice, never a row lost: a
+# lost lease lets another relay send the rows too, a lost delete sends them again, and
+# the receivers drop the copies as they drop any other.
+_UNSYNCED = "set_config('synchronous_commit', 'off', true)"
 
 # The rows a relay may deliver now, in order: `$1` how many at most.
-_CLAIMABLE = f"""
+_CLAIMABLE = """
 SELECT id FROM outbox o
  WHERE available_at <= now()
-   AND (ordering_key IS NULL OR (
-        -- a row of the key waits for its retry: the key waits with it. The keys that
-        -- wait are read once per claim (a hashed subplan), not once per row: asked of
-        -- each row, "an older row of its key waits" read every older row of a key
-        -- whose backlog another relay holds, n²/2 rows (bench/outbox.py). A row older
-        -- than the one waiting (written by a transaction that committed late) waits
-        -- for that retry too, and goes first then.
-        o.ordering_key NOT IN (SELECT waiting.ordering_key FROM outbox waiting
-                                WHERE waiting.available_at > now()
-                                  AND waiting.ordering_key IS NOT NULL)
-        -- another relay of this outbox is delivering this key: leave the key to it.
-        -- The schema is part of the lock: services sharing a database (one Postgres
-        -- under `make up`) use the same session ids as keys in their own outboxes,
-        -- and must not hold each other back.
-        AND pg_try_advisory_xact_lock({key_lock("o.ordering_key")})))
+   AND (leased_until IS NULL OR leased_until <= now())
+   AND (ordering_key IS NULL OR o.ordering_key NOT IN (
+        -- a row of the key waits for its retry, or another relay holds a lease on one:
+        -- the key waits with it. The keys that wait are read once per claim (a hashed
+        -- subplan), not once per row: asked of each row, "an older row of its key
+        -- waits" read every older row of a key whose backlog another relay holds,
+        -- n²/2 rows (bench/outbox.py). A row older than the one waiting (written by a
+        -- transaction that committed late) waits too, and goes first then.
+        SELECT busy.ordering_key FROM outbox busy
+         WHERE (busy.available_at > now() OR busy.leased_until > now())
+           AND busy.ordering_key IS NOT NULL))
  ORDER BY id
  LIMIT $1
  FOR UPDATE SKIP LOCKED
 """
 
-# A relay's claim deletes what it claims, in the transaction that lives while the rows are
-# delivered: a row delivered needs no second statement, and one that was not is put back
-# (`OutboxRelay._put_back`) before the commit, so to anyone else the claim is all or
-# nothing. `ARRAY(…)`: the claimable rows are chosen once, before the delete.
+# A relay's claim: the claimable rows leased to `$3` (a claim's own id) for `$2` seconds,
+# in one statement that commits on its own. `ARRAY(…)`: the rows are chosen once, before
+# the update.
 #
 # `follows`: the row before it of its key, as the claim's snapshot shows the outbox. The
-# snapshot is taken when the statement starts, and a key's lock may only be won later in
-# the same statement, once the relay that held it committed: the snapshot then still
-# shows that relay's rows as it found them, not the one it put back for a retry, and the
-# claim would let a later row of the key overtake it. A claimed row whose predecessor
-# was not claimed with it is given back untouched (`overtaking`).
+# snapshot is taken when the statement starts; another relay's claim may commit later in
+# the statement, once its rows were passed over (`SKIP LOCKED`: locked by that claim) or
+# found leased. The snapshot still shows those rows unleased, and a later row of their
+# key, which that claim did not take, would go ahead of them. A claimed row whose
+# predecessor was not claimed with it is given back (`overtaking`).
 CLAIM = f"""
-DELETE FROM outbox WHERE id = ANY(ARRAY({_CLAIMABLE}))
-RETURNING id, subject, msg_id, body, headers, attempts, ordering_key, created_at,
-          last_error,
+UPDATE outbox SET leased_until = now() + make_interval(secs => $2), lease = $3
+ WHERE id = ANY(ARRAY({_CLAIMABLE}))
+RETURNING id, subject, msg_id, body, headers, attempts, ordering_key,
           -- the row before it in outbox_ordering_idx, if of its key: one index step,
           -- where `ordering_key = … ORDER BY id DESC` lets the planner walk the primary
           -- key back through every other key's rows since
@@ -122,13 +129,40 @@ RETURNING id, subject, msg_id, body, headers, attempts, ordering_key, created_at
                                          < (outbox.ordering_key, outbox.id)
                                    ORDER BY older.ordering_key DESC, older.id DESC
                                    LIMIT 1) before
-            WHERE before.ordering_key = outbox.ordering_key) AS follows
+            WHERE before.ordering_key = outbox.ordering_key) AS follows,
+          {_UNSYNCED} AS unsynced
 """
 
-# The claim of one key's rows (`OutboxRelay.deliver_now`), `$2` the key.
+# The claim of one key's rows (`OutboxRelay.deliver_now`), `$4` the key.
 CLAIM_KEY = CLAIM.replace(
-    "WHERE available_at <= now()", "WHERE ordering_key = $2 AND available_at <= now()"
+    "WHERE available_at <= now()", "WHERE ordering_key = $4 AND available_at <= now()"
 )
+# What a claim `$2` did with its rows `$1`. Each names the lease: rows whose lease expired
+# and that another relay claimed since are that relay's to settle, and stay as it left them.
+DELIVERED_ROWS = (
+    f"DELETE FROM outbox WHERE id = ANY($1::bigint[]) AND lease = $2 RETURNING {_UNSYNCED}"
+)
+RELEASED_ROWS = """
+UPDATE outbox SET leased_until = NULL, lease = NULL WHERE id = ANY($1::bigint[]) AND lease = $2
+"""
+# Rows to try again, each after its `retry_delay`, with its error: `$3`, `$4`.
+RETRIED_ROWS = """
+UPDATE outbox SET attempts = attempts + 1, last_error = retried.error,
+                  available_at = now() + make_interval(secs => retried.delay),
+                  leased_until = NULL, lease = NULL
+  FROM unnest($1::bigint[], $3::text[], $4::float8[]) AS retried(id, error, delay)
+ WHERE outbox.id = retried.id AND outbox.lease = $2
+"""
+# A row moved to the dead letters, `$3` why: whether it still was the claim's to move.
+DEAD_LETTERED_ROW = """
+WITH gone AS (DELETE FROM outbox WHERE id = $1 AND lease = $2
+              RETURNING id, subject, msg_id, attempts, body),
+     kept AS (INSERT INTO dead_letters
+                     (consumer, stream, stream_seq, subject, msg_id, deliveries, reason, body)
+              SELECT 'outbox', 'outbox', id, subject, msg_id, attempts + 1, $3, body FROM gone
+              ON CONFLICT (consumer, stream, stream_seq) DO NOTHING)
+SELECT count(*) FROM gone
+"""
 # How often `deliver_now` looks again while another relay is delivering its key.
 KEY_RECHECK_SECONDS = 0.01
 
@@ -142,11 +176,13 @@ class OutboxRelay:
         sender: Sender,
         batch: int = 256,
         poll_seconds: float = 1.0,
+        lease_seconds: float = LEASE_SECONDS,
     ) -> None:
         self._pool = pool
         self._sender = sender
         self._batch = batch
         self._poll = poll_seconds
+        self._lease = lease_seconds
         self._wake = asyncio.Event()
         self.delivered = 0
         self.dead_lettered = 0
@@ -196,92 +232,83 @@ class OutboxRelay:
             return False
 
     async def drain_once(self, key: str | None = None) -> int:
-        """Claim, deliver and delete one batch (of `key`'s rows only, when given); return
+        """Claim, deliver and settle one batch (of `key`'s rows only, when given); return
         how many rows were claimed."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            claimed = await (
-                conn.fetch(CLAIM, self._batch)
-                if key is None
-                else conn.fetch(CLAIM_KEY, self._batch, key)
-            )
-            if not claimed:
-                return 0
-            claimed = sorted(claimed, key=lambda r: r["id"])  # RETURNING keeps no order
-            held = overtaking(claimed)
-            if held:
-                await self._give_back(conn, [r for r in claimed if r["id"] in held])
-                claimed = [r for r in claimed if r["id"] not in held]
-                if not claimed:
-                    return len(held)
-            rows = [OutboxRow(*r[:7]) for r in claimed]  # CLAIM returns the fields in order
-            crash_point("outbox.before_publish")
-            results = await self._sender.send(rows)
-            crash_point("outbox.after_publish")
-            for record, row, delivery in zip(claimed, rows, results, strict=True):
-                if delivery.permanent:
-                    await self._dead_letter(conn, row, delivery.error or "")
-                elif delivery.error is not None:
-                    await self._put_back(conn, row, record["created_at"], delivery.error)
-            self.delivered += sum(d.error is None for d in results)
-            return len(rows) + len(held)
-
-    async def _give_back(self, conn: Connection, claimed: Sequence[asyncpg.Record]) -> None:
-        """Undo the claim's delete of rows that may not go yet, as they were: the next
-        claim, with a snapshot of its own, finds them behind their predecessors."""
-        await conn.executemany(
-            """INSERT INTO outbox (id, subject, msg_id, body, headers, attempts, ordering_key,
-                                   created_at, last_error)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)""",
-            [tuple(r[:9]) for r in claimed],
+        lease = uuid.uuid4()  # this claim's: what it writes later changes its rows only
+        claimed = await (
+            self._pool.fetch(CLAIM, self._batch, self._lease, lease)
+            if key is None
+            else self._pool.fetch(CLAIM_KEY, self._batch, self._lease, lease, key)
         )
+        if not claimed:
+            return 0
+        try:
+            return await self._deliver(lease, sorted(claimed, key=lambda r: r["id"]))
+        except BaseException:
+            # Cancelled (the service stops) or the database failed: what this claim did
+            # not settle goes to the next claim now, not once the lease expires.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._lease):
+                    await self._pool.execute(RELEASED_ROWS, [r["id"] for r in claimed], lease)
+            raise
+
+    async def _deliver(self, lease: uuid.UUID, claimed: list[asyncpg.Record]) -> int:
+        """Deliver the rows of a claim (in id order) and settle each."""
+        held = overtaking(claimed)
+        if held:
+            await self._give_back(lease, [r for r in claimed if r["id"] in held])
+            claimed = [r for r in claimed if r["id"] not in held]
+            if not claimed:
+                return len(held)
+        rows = [OutboxRow(*r[:7]) for r in claimed]  # CLAIM returns the fields in order
+        crash_point("outbox.before_publish")
+        results = await self._sender.send(rows)
+        crash_point("outbox.after_publish")
+        outcomes = list(zip(rows, results, strict=True))
+        delivered = [row.id for row, d in outcomes if d.error is None and not d.permanent]
+        if delivered:
+            await self._pool.execute(DELIVERED_ROWS, delivered, lease)
+        retried = [(row, d) for row, d in outcomes if d.error is not None and not d.permanent]
+        if retried:
+            await self._retry(lease, retried)
+        for row, delivery in outcomes:
+            if delivery.permanent:
+                await self._dead_letter(lease, row, delivery.error or "")
+        self.delivered += sum(d.error is None for d in results)
+        return len(rows) + len(held)
+
+    async def _give_back(self, lease: uuid.UUID, claimed: Sequence[asyncpg.Record]) -> None:
+        """Release rows that may not go yet, as they were: the next claim, with a snapshot
+        of its own, finds them behind their predecessors."""
+        await self._pool.execute(RELEASED_ROWS, [r["id"] for r in claimed], lease)
         log.info(
             "outbox_claim_gave_back",
             rows=len(claimed),
             keys=sorted({r["ordering_key"] for r in claimed}),
         )
 
-    async def _put_back(
-        self, conn: Connection, row: OutboxRow, created_at: datetime, error: str
-    ) -> None:
-        """Undo the claim's delete of a row not delivered, to be tried again later: the
-        same id (its place in its key's order) and age, one more attempt."""
-        attempts = row.attempts + 1
-        await conn.execute(
-            """INSERT INTO outbox (id, subject, msg_id, body, headers, attempts, ordering_key,
-                                   created_at, last_error, available_at)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now() + make_interval(secs => $10))""",
-            row.id,
-            row.subject,
-            row.msg_id,
-            row.body,
-            row.headers,
-            attempts,
-            row.ordering_key,
-            created_at,
-            error,
-            retry_delay(attempts),
+    async def _retry(self, lease: uuid.UUID, failed: Sequence[tuple[OutboxRow, Delivery]]) -> None:
+        """Put rows not delivered back, to be tried again later: the same id (their place in
+        their key's order) and age, one more attempt each."""
+        await self._pool.execute(
+            RETRIED_ROWS,
+            [row.id for row, _ in failed],
+            lease,
+            [delivery.error for _, delivery in failed],
+            [retry_delay(row.attempts + 1) for row, _ in failed],
         )
-        log.warning(
-            "outbox_delivery_failed",
-            subject=row.subject,
-            msg_id=row.msg_id,
-            attempts=attempts,
-            error=error,
-        )
+        for row, delivery in failed:
+            log.warning(
+                "outbox_delivery_failed",
+                subject=row.subject,
+                msg_id=row.msg_id,
+                attempts=row.attempts + 1,
+                error=delivery.error,
+            )
 
-    async def _dead_letter(self, conn: Connection, row: OutboxRow, reason: str) -> None:
-        await conn.execute(
-            """INSERT INTO dead_letters
-                   (consumer, stream, stream_seq, subject, msg_id, deliveries, reason, body)
-               VALUES ('outbox', 'outbox', $1, $2, $3, $4, $5, $6)
-               ON CONFLICT (consumer, stream, stream_seq) DO NOTHING""",
-            row.id,
-            row.subject,
-            row.msg_id,
-            row.attempts + 1,
-            reason,
-            row.body,
-        )
+    async def _dead_letter(self, lease: uuid.UUID, row: OutboxRow, reason: str) -> None:
+        if not await self._pool.fetchval(DEAD_LETTERED_ROW, row.id, lease, reason):
+            return  # the lease expired, and the relay that claimed the row since decides
         self.dead_lettered += 1
         DEAD_LETTERS.labels(OUTBOX_CONSUMER, row.subject).inc()
         log.error(

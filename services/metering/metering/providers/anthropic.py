@@ -1,7 +1,12 @@
 """The `anthropic` provider: the official SDK's async client, behind metering only.
 
-- Turns use `messages.create`; streaming turns use `messages.stream`, whose text
-  events are handed on as they arrive.
+- Turns use `messages.create`; streaming turns read the raw SSE body of
+  `messages.create(stream=True)` (`with_streaming_response`) and assemble the message
+  themselves (`StreamedMessage`): the SDK's stream builds a typed model of every event
+  and of the whole message so far, which cost metering more CPU per token than all the
+  rest of its work. Text is handed on as it arrives; a tool_use block's input, streamed
+  as pieces of JSON, is parsed once, at its `content_block_stop`; event types not
+  listed (thinking, citations, what the API adds later) are skipped.
 - Usage: `message_start` carries input and cache tokens; every `message_delta`
   carries *cumulative* counts, so the last one seen is kept, never summed. A call
   that fails or is cancelled mid-stream is billed from what was seen; its output
@@ -23,17 +28,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
-from anthropic import APIConnectionError, APIStatusError, AsyncAnthropic
+from anthropic import APIConnectionError, APIStatusError, AsyncAnthropic, DefaultAsyncHttpxClient
 from anthropic.types import Message as SdkMessage
-from anthropic.types import MessageDeltaUsage, Usage
 
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
 from metering.providers.base import (
+    DEFAULT_CONNECTIONS,
     OnText,
     Progress,
     ProviderError,
@@ -41,7 +48,9 @@ from metering.providers.base import (
     ProviderRequest,
     connection_failed,
     estimate_output_tokens,
+    http_limits,
     retry_after,
+    sse_data,
     traced,
     with_retries,
 )
@@ -53,31 +62,122 @@ EPHEMERAL = {"type": "ephemeral"}
 RETRYABLE_TYPES = {"overloaded_error", "rate_limit_error", "api_error"}
 
 
-def usage_of(usage: Usage) -> TokenUsage:
-    """Our usage from the SDK's, cache writes split by TTL when the API says how."""
-    written = usage.cache_creation_input_tokens or 0
-    one_hour = usage.cache_creation.ephemeral_1h_input_tokens if usage.cache_creation else 0
+def usage_of(usage: Mapping[str, Any]) -> TokenUsage:
+    """Our usage from the API's, cache writes split by TTL when the API says how."""
+    written = usage.get("cache_creation_input_tokens") or 0
+    one_hour = (usage.get("cache_creation") or {}).get("ephemeral_1h_input_tokens") or 0
     return TokenUsage(
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
+        input_tokens=usage.get("input_tokens") or 0,
+        output_tokens=usage.get("output_tokens") or 0,
         cache_write_5m_tokens=written - one_hour,
         cache_write_1h_tokens=one_hour,
-        cache_read_tokens=usage.cache_read_input_tokens or 0,
+        cache_read_tokens=usage.get("cache_read_input_tokens") or 0,
     )
 
 
-def with_delta(current: TokenUsage, delta: MessageDeltaUsage) -> TokenUsage:
-    """`current` updated from a message_delta: its counts are cumulative, so they replace."""
-    update: dict[str, int] = {"output_tokens": delta.output_tokens}
-    if delta.input_tokens is not None:
-        update["input_tokens"] = delta.input_tokens
-    if delta.cache_read_input_tokens is not None:
-        update["cache_read_tokens"] = delta.cache_read_input_tokens
-    if delta.cache_creation_input_tokens is not None:
+def with_delta(current: TokenUsage, delta: Mapping[str, Any]) -> TokenUsage:
+    """`current` updated from a message_delta's usage: its counts are cumulative, so they
+    replace."""
+    update: dict[str, int] = {}
+    for name, ours in (
+        ("output_tokens", "output_tokens"),
+        ("input_tokens", "input_tokens"),
+        ("cache_read_input_tokens", "cache_read_tokens"),
+    ):
+        if delta.get(name) is not None:
+            update[ours] = delta[name]
+    if delta.get("cache_creation_input_tokens") is not None:
         update["cache_write_5m_tokens"] = (
-            delta.cache_creation_input_tokens - current.cache_write_1h_tokens
+            delta["cache_creation_input_tokens"] - current.cache_write_1h_tokens
         )
     return current.model_copy(update=update)
+
+
+@dataclass
+class _Block:
+    """A content block being streamed: its text or its tool input's JSON, in pieces."""
+
+    type: str
+    id: str = ""
+    name: str = ""
+    input: dict[str, Any] = field(default_factory=dict)
+    parts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StreamedMessage:
+    """A message assembled from the raw events of a Messages API stream.
+
+    Usage is message_start's, then each message_delta's (cumulative: it replaces).
+    """
+
+    model: str = ""
+    stop_reason: str | None = None
+    usage: TokenUsage = field(default_factory=TokenUsage)
+    stopped: bool = False  # message_stop arrived: the message is whole
+    blocks: dict[int, _Block] = field(default_factory=dict)
+
+    def take(self, event: Mapping[str, Any]) -> str | None:
+        """Take one event in; returns the text it adds to a text block, if any."""
+        kind = event.get("type")
+        if kind == "content_block_delta":
+            delta = event["delta"]
+            block = self.blocks.get(event["index"])
+            if block is None:
+                return None
+            if delta["type"] == "text_delta" and block.type == "text":
+                block.parts.append(delta["text"])
+                return str(delta["text"])
+            if delta["type"] == "input_json_delta" and block.type == "tool_use":
+                block.parts.append(delta["partial_json"])
+        elif kind == "content_block_start":
+            start = event["content_block"]
+            block = _Block(start["type"])
+            if block.type == "text":
+                block.parts.append(start.get("text") or "")
+            elif block.type == "tool_use":
+                block.id, block.name = start["id"], start["name"]
+                block.input = dict(start.get("input") or {})
+            self.blocks[event["index"]] = block
+        elif kind == "content_block_stop":
+            block = self.blocks.get(event["index"])
+            if block is not None and block.type == "tool_use" and block.parts:
+                block.input = tool_input(block.parts)
+        elif kind == "message_start":
+            message = event["message"]
+            self.model = message.get("model") or ""
+            self.usage = usage_of(message.get("usage") or {})
+        elif kind == "message_delta":
+            self.stop_reason = event.get("delta", {}).get("stop_reason") or self.stop_reason
+            self.usage = with_delta(self.usage, event.get("usage") or {})
+        elif kind == "message_stop":
+            self.stopped = True
+        return None
+
+    def content(self) -> list[ReplyBlock]:
+        """The text and tool_use blocks, in the order of their index."""
+        blocks: list[ReplyBlock] = []
+        for index in sorted(self.blocks):
+            block = self.blocks[index]
+            if block.type == "text":
+                blocks.append(TextBlock(text="".join(block.parts)))
+            elif block.type == "tool_use":
+                blocks.append(ToolUseBlock(id=block.id, name=block.name, input=block.input))
+        return blocks
+
+
+def tool_input(parts: list[str]) -> dict[str, Any]:
+    """A tool_use block's input from the pieces of JSON it was streamed in."""
+    raw = "".join(parts)
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ProviderError(
+            ErrorCode.PROVIDER_ERROR, f"a tool_use input is not a JSON object: {raw[:200]!r}"
+        )
+    return parsed
 
 
 def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
@@ -170,10 +270,15 @@ class AnthropicProvider:
         max_retries: int = 4,
         timeout: float = 600.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
         # max_retries=0: `with_retries` decides, knowing whether text went out.
         self._client = AsyncAnthropic(
-            api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout
+            api_key=api_key,
+            base_url=base_url,
+            max_retries=0,
+            timeout=timeout,
+            http_client=DefaultAsyncHttpxClient(limits=http_limits(connections)),
         )
         self._max_retries = max_retries
         self._sleep = sleep
@@ -187,50 +292,58 @@ class AnthropicProvider:
         async def attempt() -> ProviderReply:
             if on_text is None:
                 message = await self._client.messages.create(**params)
-                progress.current = usage_of(message.usage)
-            else:
-                message = await self._stream(params, progress, on_text)
+                progress.current = usage_of(message.usage.model_dump())
+                return ProviderReply(
+                    content=_content(message),
+                    stop_reason=message.stop_reason or "end_turn",
+                    model=message.model,
+                )
+            streamed = await self._stream(params, progress, on_text)
             return ProviderReply(
-                content=_content(message),
-                stop_reason=message.stop_reason or "end_turn",
-                model=message.model,
+                content=streamed.content(),
+                stop_reason=streamed.stop_reason or "end_turn",
+                model=streamed.model or request.model,
             )
 
         return await with_retries(attempt, failure_of, progress, self._max_retries, self._sleep)
 
     async def _stream(
         self, params: dict[str, Any], progress: Progress, on_text: OnText
-    ) -> SdkMessage:
-        texts, chars, stopped = 0, 0, False
+    ) -> StreamedMessage:
+        message = StreamedMessage()
+        texts, chars = 0, 0
         try:
-            async with self._client.messages.stream(**params) as stream:
-                async for event in stream:
-                    if event.type == "message_stop":
-                        stopped = True
-                    elif event.type == "message_start":
-                        progress.current = usage_of(event.message.usage)
-                    elif event.type == "message_delta":
-                        progress.current = with_delta(progress.current, event.usage)
-                    elif event.type == "text":
+            # Leaving the `async with` (done, failed or cancelled: shutdown, or
+            # `cmd.llm.cancel`) closes the HTTP response: the connection is closed, not
+            # drained. An HTTP error status is raised on entry, as `create` raises it.
+            async with self._client.messages.with_streaming_response.create(
+                **params, stream=True
+            ) as response:
+                http = response.http_response
+                async for data in sse_data(http.aiter_bytes()):
+                    event = json.loads(data)
+                    if event.get("type") == "error":
+                        # An error after the 200 (overloaded_error): classified as the
+                        # same error would be as a status (`failure_of`).
+                        raise APIStatusError(str(event), response=http, body=event)
+                    text = message.take(event)
+                    progress.current = message.usage
+                    if text:
                         texts += 1
-                        chars += len(event.text)
-                        await on_text(event.text, progress.text())
-                if not stopped:
-                    # A body that ended without message_stop was cut short somewhere.
-                    raise ProviderError(
-                        ErrorCode.PROVIDER_ERROR, "the provider's stream ended before message_stop"
-                    )
-                message = await stream.get_final_message()
+                        chars += len(text)
+                        await on_text(text, progress.text())
+            if not message.stopped:
+                # A body that ended without message_stop was cut short somewhere.
+                raise ProviderError(
+                    ErrorCode.PROVIDER_ERROR, "the provider's stream ended before message_stop"
+                )
         except BaseException:
-            # Failed, or cancelled (shutdown, or `cmd.llm.cancel`: leaving the `async with`
-            # closes the HTTP response, so the connection is closed, not drained).
             # Input and cache tokens are message_start's; output is what the last
-            # message_delta said, unless the text received implies more (see below).
+            # message_delta said, unless the text received implies more (see above).
             estimate = estimate_output_tokens(texts, chars)
             if estimate > progress.current.output_tokens:
                 progress.current = progress.current.model_copy(update={"output_tokens": estimate})
             raise
-        progress.current = usage_of(message.usage)
         return message
 
     async def close(self) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
+import httpx2
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
@@ -26,6 +27,15 @@ from servicekit.telemetry import tracer, tracing_on
 
 # A server asking for a longer wait than this is answered with an error now.
 MAX_RETRY_AFTER_SECONDS = 60.0
+
+# The provider connections a replica opens at most (the SDKs' own limit).
+MAX_CONNECTIONS = 1000
+# Calls a replica runs at once, unless told: a metering endpoint's default concurrency.
+DEFAULT_CONNECTIONS = 256
+# How long an idle connection to the provider is kept: a person answers in tens of
+# seconds, and a connection opened per turn costs a TLS handshake (CPU and round trips)
+# before the turn's first token.
+KEEPALIVE_SECONDS = 60.0
 
 log = get_logger(__name__)
 
@@ -166,6 +176,17 @@ class Provider(Protocol):
         ...
 
 
+def http_limits(keep_alive: int) -> httpx2.Limits:
+    """The connection pool of a provider's SDK: `keep_alive` idle connections kept (the
+    calls a replica runs at once), so that a burst of turns as large as a burst before it
+    reuses that one's connections. The SDKs keep 100, for five seconds."""
+    return httpx2.Limits(
+        max_connections=max(MAX_CONNECTIONS, keep_alive),
+        max_keepalive_connections=keep_alive,
+        keepalive_expiry=KEEPALIVE_SECONDS,
+    )
+
+
 # Characters per output token assumed when a stream is cut before its usage arrives.
 CHARS_PER_TOKEN = 4
 
@@ -254,6 +275,50 @@ async def with_retries(
         progress.next_attempt()
         attempts += 1
         await sleep(delay)
+
+
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The `data` of each server-sent event in a body read as `chunks` (its lines joined
+    by newlines, as the spec joins them); events without data are skipped, and so is an
+    event the body ends in the middle of (the spec drops it).
+
+    Event names are not kept: both providers' data say what they are (Anthropic's carry
+    their `type`, OpenAI's events have no names). The SDKs' decoders make an object of
+    every event, line by line; this splits on the blank lines between events, which
+    costs a fraction of that per token.
+    """
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        if b"\r" in pending:
+            # The spec allows CR LF and a lone CR too; a CR that ends a read waits for the
+            # next one, as it may be the start of a CR LF split across them.
+            held = pending.endswith(b"\r")
+            pending = _lf_only(pending[:-1] if held else pending) + (b"\r" if held else b"")
+        if b"\n\n" in pending:
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if (data := _data_of(event)) is not None:
+                    yield data
+    last = _lf_only(pending)  # a CR held back that ended the body ends a line
+    if last.endswith(b"\n\n") and (data := _data_of(last[:-2])) is not None:
+        yield data
+
+
+def _lf_only(text: bytes) -> bytes:
+    return text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The data of one event's lines (comments and other fields skipped)."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # the common case: one line, the data alone
+    lines = [
+        line[5:].removeprefix(b" ") if line != b"data" else b""
+        for line in event.split(b"\n")
+        if line.startswith(b"data:") or line == b"data"
+    ]
+    return b"\n".join(lines) if lines else None
 
 
 class Providers:

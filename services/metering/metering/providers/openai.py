@@ -3,7 +3,9 @@ LM Studio, or OpenAI itself) through the official `openai` SDK, behind metering 
 
 - One code path: every call streams, with `stream_options.include_usage`, so usage
   arrives in the last chunk (its `choices` empty) before `[DONE]`. Text is handed on
-  only for a streaming turn; a whole turn just collects it.
+  only for a streaming turn; a whole turn just collects it. The chunks are read from
+  the raw SSE body (`with_streaming_response`) as plain JSON: the SDK's stream builds a
+  typed model of every chunk, which costs more CPU per token than the rest of metering.
 - Translation: the harness speaks Anthropic's blocks (contracts.metering). A
   `tool_use` block becomes an assistant `tool_calls` entry, a `tool_result` block a
   `tool` message right after it, a tool spec a `function` tool; back, the streamed
@@ -26,19 +28,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
-from openai import APIConnectionError, APIError, APIStatusError, AsyncOpenAI
-from openai.types import CompletionUsage
-from openai.types.chat import ChatCompletionChunk
+from openai import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    AsyncOpenAI,
+    DefaultAsyncHttpxClient,
+)
 from pydantic import ValidationError
 
 from contracts.common import ErrorCode
 from contracts.metering import ChatMessage, ReplyBlock, TextBlock, TokenUsage, ToolUseBlock
 from metering.providers.base import (
+    DEFAULT_CONNECTIONS,
     OnText,
     Progress,
     ProviderError,
@@ -46,7 +53,9 @@ from metering.providers.base import (
     ProviderRequest,
     connection_failed,
     estimate_output_tokens,
+    http_limits,
     retry_after,
+    sse_data,
     traced,
     with_retries,
 )
@@ -68,14 +77,14 @@ STOP_REASONS = {
 PROMPT_BYTES_PER_TOKEN = 4
 
 
-def usage_of(usage: CompletionUsage) -> TokenUsage:
+def usage_of(usage: Mapping[str, Any]) -> TokenUsage:
     """Our usage from a Chat Completions usage: cached prompt tokens priced apart."""
-    details = usage.prompt_tokens_details
-    read = (details.cached_tokens or 0) if details else 0
-    written = (details.cache_write_tokens or 0) if details else 0
+    details = usage.get("prompt_tokens_details") or {}
+    read = details.get("cached_tokens") or 0
+    written = details.get("cache_write_tokens") or 0
     return TokenUsage(
-        input_tokens=max(usage.prompt_tokens - read - written, 0),
-        output_tokens=usage.completion_tokens,
+        input_tokens=max((usage.get("prompt_tokens") or 0) - read - written, 0),
+        output_tokens=usage.get("completion_tokens") or 0,
         cache_write_5m_tokens=written,
         cache_read_tokens=read,
     )
@@ -178,26 +187,27 @@ class _Reply:
     text: list[str] = field(default_factory=list)
     calls: dict[int, _ToolCall] = field(default_factory=dict)
     finish_reason: str | None = None
-    usage: CompletionUsage | None = None
+    usage: Mapping[str, Any] | None = None
 
-    def add(self, chunk: ChatCompletionChunk) -> str | None:
+    def add(self, chunk: Mapping[str, Any]) -> str | None:
         """Take one chunk in; returns its text, if any."""
-        if chunk.usage is not None:
-            self.usage = chunk.usage
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
         piece: list[str] = []
-        for choice in chunk.choices[:1]:  # n=1: one choice
-            delta = choice.delta
-            if delta.content:
-                piece.append(delta.content)
-            for call in delta.tool_calls or []:
-                entry = self.calls.setdefault(call.index, _ToolCall())
-                entry.id = entry.id or (call.id or "")
-                if call.function is not None:
-                    entry.name = entry.name or (call.function.name or "")
-                    if call.function.arguments:
-                        entry.arguments.append(call.function.arguments)
-            if choice.finish_reason is not None:
-                self.finish_reason = choice.finish_reason
+        for choice in (chunk.get("choices") or [])[:1]:  # n=1: one choice
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                piece.append(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                entry = self.calls.setdefault(call.get("index", 0), _ToolCall())
+                entry.id = entry.id or (call.get("id") or "")
+                function = call.get("function")
+                if function is not None:
+                    entry.name = entry.name or (function.get("name") or "")
+                    if function.get("arguments"):
+                        entry.arguments.append(function["arguments"])
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
         text = "".join(piece)
         if text:
             self.text.append(text)
@@ -260,6 +270,14 @@ def _message_of(exc: APIError) -> str:
     return str(exc)
 
 
+def _stream_error(error: object, request: httpx2.Request) -> APIError:
+    """An error chunk in a 200 stream, as the SDK raises it (`failure_of` classifies it)."""
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) or not message:
+        message = "An error occurred during streaming"
+    return APIError(message, request, body=error)
+
+
 class OpenAICompatibleProvider:
     """A Chat Completions server through the official `openai` SDK."""
 
@@ -272,10 +290,15 @@ class OpenAICompatibleProvider:
         max_retries: int = 4,
         timeout: float = 600.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
         # max_retries=0: `with_retries` decides, knowing whether text went out.
         self._client = AsyncOpenAI(
-            api_key=api_key or NO_KEY, base_url=base_url, max_retries=0, timeout=timeout
+            api_key=api_key or NO_KEY,
+            base_url=base_url,
+            max_retries=0,
+            timeout=timeout,
+            http_client=DefaultAsyncHttpxClient(limits=http_limits(connections)),
         )
         self._max_retries = max_retries
         self._sleep = sleep
@@ -312,12 +335,19 @@ class OpenAICompatibleProvider:
         reply = _Reply()
         texts, chars, opened = 0, 0, False
         try:
-            stream = await self._client.chat.completions.create(**params)
-            opened = True
             # Leaving the `async with` closes the HTTP response: a cancel closes the
-            # connection rather than draining it.
-            async with stream:
-                async for chunk in stream:
+            # connection rather than draining it. An HTTP error status is raised on entry.
+            async with self._client.chat.completions.with_streaming_response.create(
+                **params
+            ) as response:
+                opened = True
+                http = response.http_response
+                async for data in sse_data(http.aiter_bytes()):
+                    if data.startswith(b"[DONE]"):
+                        continue  # the body ends after it: read to the end, kept alive
+                    chunk = json.loads(data)
+                    if isinstance(chunk, dict) and chunk.get("error"):
+                        raise _stream_error(chunk["error"], http.request)
                     text = reply.add(chunk)
                     if reply.usage is not None:
                         progress.current = usage_of(reply.usage)

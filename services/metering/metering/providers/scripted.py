@@ -315,7 +315,8 @@ class LoggingScripted(ScriptedProvider):
 
     The fake model's own record of its calls, for a test or bench to compare with what
     metering billed (`bench/chaos.py` counts the lines against `token_usage`) or with what
-    the model was shown. Each line holds the agent, the process and the time; with
+    the model was shown. Each line holds the agent, the process, the time and the last
+    words of a person the call answers (`last_words`: which input it serves); with
     `prompts`, also the tools offered and the whole conversation."""
 
     def __init__(self, script: Script, path: Path, *, prompts: bool = False) -> None:
@@ -326,13 +327,31 @@ class LoggingScripted(ScriptedProvider):
     async def complete(
         self, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:
-        line: dict[str, Any] = {"agent": request.agent_slug, "pid": os.getpid(), "at": time.time()}
+        line: dict[str, Any] = {
+            "agent": request.agent_slug,
+            "pid": os.getpid(),
+            "at": time.time(),
+            "says": last_words(request.messages),
+        }
         if self._prompts:
             line["tools"] = [t.name for t in request.tools]
             line["messages"] = [m.model_dump(mode="json") for m in request.messages]
         with self._path.open("a", encoding="utf-8") as out:
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
         return await super().complete(request, progress, on_text)
+
+
+def last_words(messages: list[ChatMessage]) -> str:
+    """The text of the last user message that has text (not only tool results)."""
+    for message in reversed(messages):
+        if message.role != "user":
+            continue
+        if isinstance(message.content, str):
+            return message.content
+        texts = [b.text for b in message.content if isinstance(b, TextBlock)]
+        if texts:
+            return texts[-1]
+    return ""
 
 
 # The Psicólogo's offline steps: hypotheses citing the session's events, again after a
