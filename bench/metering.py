@@ -20,7 +20,16 @@ at the same rate and concurrency. Metering runs as its own process (`python -m
 metering`, scripted provider), as under `make up`.
 
 Goals: per token ≤ 0.15 ms CPU across the processes, p99 added latency
-≤ 3 ms at 200 streams; the bench exits non-zero when one is missed.
+≤ 3 ms at 200 streams; the bench exits non-zero when one is missed. These measure
+metering's own cost per token, so they run with its delta window off
+(`AGENTBUS_DELTA_WINDOW_MS=0`: a delta per read of the provider's stream).
+
+Coalescing: then metering runs with the window off and at 40 ms, 100 concurrent streams
+of tokens 5 ms and 20 ms apart, and prints the bus messages per streamed token (deltas:
+the command and reply are per turn), the per-token added latency (of each delta's oldest
+token, which waited longest) and the CPU per token with the window off and on. Goals with
+the window on: ≤ 0.2 messages per token at 5 ms, ≤ 0.5 at 20 ms, per-token added latency
+p99 ≤ the window + 60 ms.
 
 `--provider anthropic` / `--provider openai`: the same streams from a provider's HTTP+SSE
 API through its official SDK, as a deployment runs metering: the fake of
@@ -106,6 +115,13 @@ SUBJECT_ROOT = "agent.delta.bench"
 # The goals, at 200 streams: CPU per token across the processes; p99 added latency.
 CPU_PER_TOKEN_GOAL_MS = 0.15
 PER_TOKEN_P99_GOAL_MS = 3.0
+# Coalescing: concurrent streams; the windows compared (off, then the default); the
+# tokens' spacing and the goal for bus messages per token with the window on at each; what
+# a token may wait beyond the window (p99).
+COALESCING_STREAMS = 100
+WINDOWS_MS = (0.0, 40.0)
+MESSAGES_PER_TOKEN_GOALS = {5.0: 0.2, 20.0: 0.5}
+COALESCED_P99_BEYOND_WINDOW_MS = 60.0
 
 
 # The placeholder a fake's word carries until the fake writes it, then its write time.
@@ -160,9 +176,8 @@ def stagger(k: int, concurrency: int, duration_s: float) -> float:
     return k / concurrency * duration_s if k < concurrency else 0.0
 
 
-async def metering_streams(
-    nc: Client, receiver: Receiver, streams: int, concurrency: int, tokens: int, delay_s: float
-) -> None:
+async def metering_streams(nc: Client, receiver: Receiver, streams: int, concurrency: int,
+                           tokens: int, delay_s: float, agent: str = "bench") -> None:  # fmt: skip
     limit = asyncio.Semaphore(concurrency)
 
     async def one(k: int) -> None:
@@ -173,7 +188,7 @@ async def metering_streams(
             cmd = LlmStream(
                 run_id=f"bench-{stream_id}",
                 turn_id=f"bench-{stream_id}",
-                agent_slug="bench",
+                agent_slug=agent,
                 project_id="bench",
                 messages=[ChatMessage(role="user", content="Tell me about bread.")],
                 max_tokens=200,
@@ -308,26 +323,7 @@ async def measure(
     """Start metering with `provider` (and the fake API it calls) and measure its streams at
     each level, beside the raw NATS hop of the same deltas."""
     delay_s = delay_ms / 1000
-    database_url = await stack.enter_async_context(fresh_database(srv.admin_url))
-    script = {
-        "steps": [
-            {
-                "agent": "bench",
-                "text": " ".join(f"w{i}" for i in range(tokens)),
-                "input_tokens": 100,
-                "token_delay_ms": delay_ms,
-            }
-        ]
-    }
-    script_path = srv.state / "script.json"
-    script_path.write_text(json.dumps(script))
-    env = service_env(
-        srv.nats_url,
-        database_url,
-        AGENTBUS_PROVIDER="scripted",
-        AGENTBUS_SCRIPT_PATH=str(script_path),
-        AGENTBUS_LOG_FORMAT="json",
-    )
+    env, database_url = await scripted_env(stack, srv, tokens, {"bench": delay_ms}, window_ms=0)
     provider_group: dict[str, list[int]] = {}
     if provider != "scripted":
         url, pid = await start_fake(stack, provider, tokens, delay_s)
@@ -338,13 +334,11 @@ async def measure(
         else:
             env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY="bench")
     procs = await start_services(stack, nc, env, srv.state, ["metering"])
+    pool = await one_connection(stack, database_url)
     if provider == "openai":  # the bench agent's model, served by the OpenAI fake
         binding = SetBinding(scope="agent", agent_slug="bench", project_id="bench",
                              model="llama3.2", provider="openai")  # fmt: skip
         await call(nc, subjects.BINDINGS_SET, binding, BindingSetReply)
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
-    assert pool is not None
-    stack.push_async_callback(pool.close)
     nats_group = {"nats": [srv.nats_pid]} if srv.nats_pid is not None else {}
     print(f"\n{provider} provider (metering pid {procs[0].pid}):", flush=True)
     levels: dict[int, Level] = {}
@@ -379,6 +373,118 @@ async def measure(
         print(f"  deltas per token {len(got.per_token_ms) / (streams * tokens):.3f}", flush=True)
         levels[level] = Level(streams, hop, got, cpu, base_cpu, streams * tokens)
     return levels
+
+
+async def scripted_env(
+    stack: contextlib.AsyncExitStack,
+    srv: Servers,
+    tokens: int,
+    delays_ms: dict[str, float],
+    window_ms: float,
+) -> tuple[dict[str, str], str]:
+    """Metering's environment with the scripted provider (each agent of `delays_ms` writing
+    `tokens` words that far apart) and a database of its own; and that database's URL."""
+    database_url = await stack.enter_async_context(fresh_database(srv.admin_url))
+    text = " ".join(f"w{i}" for i in range(tokens))
+    steps = [
+        {"agent": agent, "text": text, "input_tokens": 100, "token_delay_ms": delay}
+        for agent, delay in delays_ms.items()
+    ]
+    script_path = srv.state / f"script-{uuid.uuid4().hex}.json"
+    script_path.write_text(json.dumps({"steps": steps}))
+    env = service_env(
+        srv.nats_url,
+        database_url,
+        AGENTBUS_PROVIDER="scripted",
+        AGENTBUS_SCRIPT_PATH=str(script_path),
+        AGENTBUS_LOG_FORMAT="json",
+        AGENTBUS_DELTA_WINDOW_MS=f"{window_ms:g}",
+    )
+    return env, database_url
+
+
+async def one_connection(stack: contextlib.AsyncExitStack, database_url: str) -> asyncpg.Pool:
+    """A pool of one connection, for `CpuMeter` to find the Postgres backends."""
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
+    assert pool is not None
+    stack.push_async_callback(pool.close)
+    return pool
+
+
+@dataclass
+class Coalesced:
+    """Metering's streams at one window and one spacing of tokens."""
+
+    window_ms: float
+    delay_ms: float
+    samples: Samples
+    cpu: CpuUsage
+    tokens: int  # words sent over the streams
+
+    def messages_per_token(self) -> float:
+        return len(self.samples.per_token_ms) / self.tokens
+
+
+async def coalescing(srv: Servers, nc: Client, tokens: int) -> list[Coalesced]:
+    """Metering with each of `WINDOWS_MS`, `COALESCING_STREAMS` streams at once at each
+    spacing of tokens (an agent each, in one script)."""
+    agents = {f"bench-{delay:g}ms": delay for delay in MESSAGES_PER_TOKEN_GOALS}
+    streams = COALESCING_STREAMS
+    nats_group = {"nats": [srv.nats_pid]} if srv.nats_pid is not None else {}
+    results: list[Coalesced] = []
+    for window_ms in WINDOWS_MS:
+        async with contextlib.AsyncExitStack() as stack:
+            env, database_url = await scripted_env(stack, srv, tokens, agents, window_ms)
+            [proc] = await start_services(stack, nc, env, srv.state, ["metering"])
+            pool = await one_connection(stack, database_url)
+            for agent, delay_ms in agents.items():
+                receiver = Receiver()
+                receiver.expected = tokens
+                sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=receiver.on_msg)
+                await nc.flush()
+                meter = CpuMeter({"metering": [proc.pid], **nats_group}, pool)
+                await meter.start()
+                started = time.perf_counter()
+                await metering_streams(nc, receiver, streams, streams, tokens, delay_ms / 1000,
+                                       agent)  # fmt: skip
+                cpu = await meter.stop(streams * tokens, time.perf_counter() - started)
+                await sub.unsubscribe()
+                results.append(Coalesced(window_ms, delay_ms, receiver.samples, cpu,
+                                         streams * tokens))  # fmt: skip
+    return results
+
+
+def coalescing_report(results: list[Coalesced], goals: Goals) -> list[str]:
+    """The windows side by side at each spacing, with the ratio of the last to the first;
+    the goals checked on the last window (the default)."""
+    windows = sorted({r.window_ms for r in results})
+    by = {(r.window_ms, r.delay_ms): r for r in results}
+    figures: list[tuple[str, Callable[[Coalesced], float]]] = [
+        ("bus messages per token", Coalesced.messages_per_token),
+        ("per-token latency p50 ms", lambda r: percentile(r.samples.per_token_ms, 0.5)),
+        ("per-token latency p99 ms", lambda r: percentile(r.samples.per_token_ms, 0.99)),
+        ("first delta − delay p99 ms", lambda r: percentile(r.samples.ttft_overhead_ms, 0.99)),
+        ("CPU ms per token: metering", lambda r: r.cpu.ms_per_op.get("metering", 0.0)),
+        ("CPU ms per token: nats", lambda r: r.cpu.ms_per_op.get("nats", 0.0)),
+        ("CPU ms per token: all", lambda r: sum(r.cpu.ms_per_op.values())),
+    ]  # fmt: skip
+    cols = [Col("apart", 6), Col("", 36, left=True)]
+    cols += [Col(f"window {w:g} ms", 14, ".3f") for w in windows]
+    cols += [Col(f"{windows[-1]:g} ÷ {windows[0]:g}", 10, ".2f")]
+    rows = []
+    for delay in sorted({r.delay_ms for r in results}):
+        for i, (figure, value) in enumerate(figures):
+            values = [value(by[(w, delay)]) for w in windows]
+            first = f"{delay:g} ms" if i == 0 else ""
+            rows.append([[first, f"  {figure}", *values, ratio(values[-1], values[0])]])
+        on = by[(windows[-1], delay)]
+        goals.at_most(f"bus messages per token, tokens {delay:g} ms apart, window "
+                      f"{windows[-1]:g} ms", on.messages_per_token(),
+                      MESSAGES_PER_TOKEN_GOALS[delay])  # fmt: skip
+        goals.at_most(f"per-token added latency p99 ms, tokens {delay:g} ms apart, window "
+                      f"{windows[-1]:g} ms", percentile(on.samples.per_token_ms, 0.99),
+                      windows[-1] + COALESCED_P99_BEYOND_WINDOW_MS)  # fmt: skip
+    return table([cols], rows)
 
 
 FIGURES: list[tuple[str, Callable[[Level], float]]] = [
@@ -422,6 +528,9 @@ async def run(tokens: int, delay_ms: float, providers: list[str]) -> int:
         for provider in providers:  # one metering process at a time: they share the subject
             async with contextlib.AsyncExitStack() as each:
                 results[provider] = await measure(each, srv, nc, provider, tokens, delay_ms)
+        print(f"\ncoalescing: {COALESCING_STREAMS} concurrent streams (scripted provider)...",
+              flush=True)  # fmt: skip
+        coalesced = await coalescing(srv, nc, tokens)
         goals = Goals()
         level = max(LEVELS)
         if (top := results.get("scripted", {}).get(level)) is not None:
@@ -447,6 +556,9 @@ async def run(tokens: int, delay_ms: float, providers: list[str]) -> int:
             ratios = "; ratios to the scripted provider's" if "scripted" in results else ""
             print(f"\nside by side (latencies in ms{ratios}):")
             print("\n".join(side_by_side(results)))
+        print(f"\ncoalescing, {COALESCING_STREAMS} concurrent streams of {tokens} tokens "
+              "(latencies in ms; the ratio: window on ÷ off):")  # fmt: skip
+        print("\n".join(coalescing_report(coalesced, goals)))
         print("goals:")
         print("\n".join(goals.report()))
         return goals.exit_code

@@ -196,13 +196,19 @@ class TurnReply(Message):
 
 
 class TurnDelta(Message):
-    """A piece of text of a streaming turn, published on the turn's `delta_subject`."""
+    """A piece of text of a streaming turn, published on the turn's `delta_subject`.
+
+    `seq` numbers the deltas metering published for the turn, from 1 and without gaps;
+    a delta's text is everything the provider streamed since the one before (several
+    tokens gathered over a short window), so joined in `seq` order they are the turn's
+    text, and (turn_id, seq) names a delta, wherever it is read from again.
+    """
 
     turn_id: TurnId
     seq: int = Field(ge=1)
     text: str
-    # Wall-clock seconds (time.time()) when the provider produced this text, so a
-    # subscriber can measure the latency metering added.
+    # Wall-clock seconds (time.time()) when the provider produced this text (its first
+    # piece), so a subscriber can measure the latency metering added.
     emitted_at: float
     causation_id: UUID | None = None
 

@@ -169,6 +169,56 @@ async def chat_texts(page: Page) -> list[tuple[str, str]]:
     return [(kind, text) for kind, text in got]
 
 
+# Every text the streaming bubble showed, so a repeated word shown even briefly is caught.
+RECORD_STREAMING = """
+window.__shown = window.__shown || [];
+new MutationObserver(() => {
+  for (const live of document.querySelectorAll('.msg.agent.streaming'))
+    window.__shown.push(live.textContent);
+}).observe(document.getElementById('chat'), {subtree: true, childList: true, characterData: true});
+"""
+
+
+async def answered_across_a_drop_and_a_reload(
+    page: Page, answer: str, shots: tuple[str, str]
+) -> None:
+    """ "SLOW one" answered with the socket dropped in the middle, then "SLOW two" with the
+    page reloaded in the middle (a script answers both with `answer`, slowly): each shown
+    whole, no word shown twice, no bubble left streaming. `shots`: the screenshots' names
+    after each."""
+    await page.evaluate(RECORD_STREAMING)
+
+    # 1. The socket drops in the middle of the answer; the page reconnects by itself.
+    await say(page, "SLOW one")
+    await streamed_words(page, 5)
+    await page.evaluate("window.agentbusConnection.drop()")
+    await page.locator('#connection[data-state="reconnecting"]').wait_for(state="attached")
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    await responses(page, 1)
+    assert await _no_word_shown_twice(page, answer), "the answer never streamed"
+    assert await chat_texts(page) == [("user", "SLOW one"), ("agent", answer)]
+    await shot(page, shots[0])
+
+    # 2. The page is reloaded in the middle of the next answer.
+    await say(page, "SLOW two")
+    await streamed_words(page, 5)
+    await page.reload()
+    await page.evaluate(RECORD_STREAMING)
+    await responses(page, 2)
+    await _no_word_shown_twice(page, answer)  # the answer may have ended during the reload
+    expected = [("user", "SLOW one"), ("agent", answer), ("user", "SLOW two"), ("agent", answer)]
+    assert await chat_texts(page) == expected
+    assert await page.locator(".msg.streaming").count() == 0, "a bubble never finished"
+    await shot(page, shots[1])
+
+
+async def _no_word_shown_twice(page: Page, answer: str) -> list[str]:
+    """Every text the streaming bubble showed (each a beginning of `answer`)."""
+    shown: list[str] = await page.evaluate("window.__shown")
+    assert all(answer.startswith(text) for text in shown), "a word shown twice"
+    return shown
+
+
 async def event_id(page: Page, event_type: str) -> str:
     item = page.locator(f'#events li[data-type="{event_type}"]').first
     await item.wait_for(state="attached")

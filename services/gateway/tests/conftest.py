@@ -135,6 +135,11 @@ def gateway_overrides() -> dict[str, Any]:
 
 
 @pytest.fixture
+def metering_overrides() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
 def script() -> Script:
     """What the scripted model answers; a test overrides it for a slower or longer turn."""
     return DEFAULT_SCRIPT.model_copy(update={"token_delay_ms": 5.0})
@@ -152,6 +157,7 @@ async def gateway(
     start_metering: Starter,
     heartbeat_timeout: float,
     gateway_overrides: dict[str, Any],
+    metering_overrides: dict[str, Any],
     script: Script,
 ) -> AsyncIterator[Gateway]:
     """The whole platform (offline script) and the gateway on a free port."""
@@ -166,7 +172,7 @@ async def gateway(
             (handoff_main(ServiceSettings(**base)), "handoff"),
         ]:
             await stack.enter_async_context(running_service(main, nc, name))
-        await start_metering(provider=ScriptedProvider(script))
+        await start_metering(provider=ScriptedProvider(script), **metering_overrides)
         criativo = CriativoSettings(**base)
         await stack.enter_async_context(running_service(criativo_main(criativo), nc, "criativo"))
         psych = PsychologistSettings(**base)

@@ -16,6 +16,7 @@ from testkit.probes import wait_for
 
 from .browsing import (
     Browsing,
+    answered_across_a_drop_and_a_reload,
     append,
     chat_texts,
     criativo_page,
@@ -116,49 +117,14 @@ async def test_the_whole_story_in_a_browser(gateway: Gateway, browser: Browsing)
     assert problems == []
 
 
-# Every text the streaming bubble showed, so a repeated word shown even briefly is caught.
-RECORD_STREAMING = """
-window.__shown = window.__shown || [];
-new MutationObserver(() => {
-  for (const live of document.querySelectorAll('.msg.agent.streaming'))
-    window.__shown.push(live.textContent);
-}).observe(document.getElementById('chat'), {subtree: true, childList: true, characterData: true});
-"""
-
-
 @pytest.mark.timeout(120)
 async def test_an_answer_survives_a_dropped_socket_and_a_reload_whole_and_once(
     gateway: Gateway, browser: Browsing
 ) -> None:
     page, problems = await criativo_page(gateway, browser)
-    await page.evaluate(RECORD_STREAMING)
-
-    # 1. The socket drops in the middle of the answer; the page reconnects by itself.
-    await say(page, "SLOW one")
-    await streamed_words(page, 5)
-    await page.evaluate("window.agentbusConnection.drop()")
-    await page.locator('#connection[data-state="reconnecting"]').wait_for(state="attached")
-    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
-    await responses(page, 1)
-    shown: list[str] = await page.evaluate("window.__shown")
-    assert shown, "the answer never streamed"
-    assert all(SLOW_ANSWER.startswith(text) for text in shown), "a word shown twice"
-    assert await chat_texts(page) == [("user", "SLOW one"), ("agent", SLOW_ANSWER)]
-    await shot(page, "5-after-reconnect")
-
-    # 2. The page is reloaded in the middle of the next answer.
-    await say(page, "SLOW two")
-    await streamed_words(page, 5)
-    await page.reload()
-    await page.evaluate(RECORD_STREAMING)
-    await responses(page, 2)
-    shown = await page.evaluate("window.__shown")
-    assert all(SLOW_ANSWER.startswith(text) for text in shown), "a word shown twice"
-    expected = [("user", "SLOW one"), ("agent", SLOW_ANSWER)] * 2
-    expected[2] = ("user", "SLOW two")
-    assert await chat_texts(page) == expected
-    assert await page.locator(".msg.streaming").count() == 0, "a bubble never finished"
-    await shot(page, "6-after-reload")
+    await answered_across_a_drop_and_a_reload(
+        page, SLOW_ANSWER, ("5-after-reconnect", "6-after-reload")
+    )
     assert problems == []
 
 

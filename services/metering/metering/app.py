@@ -104,7 +104,7 @@ async def main(
         rt.background(run_orphan_sweeper(repo, settings.orphan_sweep_seconds), "orphan-sweeper")
         # Listening before serving: a replica hears every cancel of the streams it runs.
         cancel_sub = await cancels.subscribe(rt.nc)
-        runner = TurnRunner(repo, catalog, providers, rt.nc, cancels)
+        runner = TurnRunner(repo, catalog, providers, rt.nc, cancels, settings.coalescing)
         try:
             await svc.serve(
                 rt, metadata=announced(providers), repo=repo, catalog=catalog, runner=runner

@@ -25,7 +25,7 @@ from metering.providers.base import (
     ProviderReply,
     ProviderRequest,
 )
-from metering.publisher import DeltaPublisher
+from metering.publisher import Coalescing, DeltaPublisher
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
@@ -50,13 +50,14 @@ async def call(
     progress: Progress,
     nc: Client,
     cancels: Cancellations,
+    coalescing: Coalescing,
 ) -> Outcome:
     """Call the provider; a stream publishes its text on its delta subject as it comes."""
     if not isinstance(cmd, LlmStream):
         outcome = await _outcome(provider.complete(request, progress, None), None, cmd.turn_id)
         assert outcome is not None  # only a stream can be stopped
         return outcome
-    publisher = DeltaPublisher(nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id)
+    publisher = DeltaPublisher(nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id, coalescing)
     task = asyncio.ensure_future(provider.complete(request, progress, publisher))
     # A cancel heard before this point stops the task here, before its first step:
     # the provider is then never called.

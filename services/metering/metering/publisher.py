@@ -20,36 +20,57 @@ from servicekit.logs import get_logger
 log = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class Coalescing:
+    """How a stream's pieces are gathered into deltas (metering's settings).
+
+    `window`: seconds a piece may wait for the ones after it (0: until the next turn of
+    the event loop, the pieces of one read of the provider's stream). `max_chars`: a
+    delta holding this many characters goes out without waiting for its window's end.
+    """
+
+    window: float = 0.040
+    max_chars: int = 4096
+
+
 @dataclass
 class DeltaPublisher:
     """Publishes a streaming turn's text on its delta subject, numbered from 1, in order.
 
-    Coalesced under load: a piece is published at once, unless one already went out in
-    this turn of the event loop (the provider handed on several without waiting: the
-    events of one read of its stream). Those are held and go out as one delta once the
-    provider waits for its next read. A stream read as fast as it comes gives a delta per
-    piece, at the price of a callback each; one that arrives faster than this replica
-    reads it (the events pile up in the socket) gives fewer, larger deltas, so every hop
-    after this one (NATS, the gateway, each client) handles fewer messages just when it
-    is loaded. `TurnDelta` is "a piece of text"; a held delta's `emitted_at`
-    is its first piece's, so the latency it reports is its oldest's.
+    Coalesced in time: a piece is published at once when no delta of this turn went out
+    in the last window (so the turn's first piece is never held: the time to the first
+    token is the provider's); otherwise it is held, with every piece after it, for one
+    window from its arrival, or until what is held reaches the size bound, and they go
+    out as one delta. A turn thus publishes at most about one delta per window, whatever
+    the provider's pace: every hop after this one (NATS, the gateway, each client) wakes
+    up per delta, not per token, and a token waits at most a window for it. A stream
+    slower than the window has nothing to gather and gets a delta per piece, without
+    waiting. `TurnDelta` is "a piece of text"; a held delta's `emitted_at` is its first
+    piece's, so the latency it reports is its oldest's.
+
+    Costs: per piece, a flag look-up or an append; per delta, a timer (the end of the
+    window since it went out) and, for a held one, a second timer and a task.
     """
 
     nc: Client
     subject: str
     turn_id: str
     causation_id: UUID | None = None
+    coalescing: Coalescing = field(default_factory=Coalescing)
     seq: int = 0
     # Set once the stream runs: after a stop nothing more is published.
     running: RunningTurn | None = None
     # What was published, the reply of a stopped stream (the SDK's own copy is lost
     # with the aborted call).
     pieces: list[str] = field(default_factory=list)
-    # Whether a piece went out in this turn of the loop; the pieces held since, the time
-    # of the first, and the task that publishes them once the provider waits.
-    _sent_this_turn: bool = False
+    # Whether a delta went out less than a window ago; the pieces held since, the time
+    # of the first, their length, the timer that ends their window and the task that
+    # publishes them then.
+    _recent: bool = False
     _held: list[str] = field(default_factory=list)
     _held_at: float = 0.0
+    _held_chars: int = 0
+    _due: asyncio.TimerHandle | None = None
     _publishing: asyncio.Task[None] | None = None
     # Looked up once, where the publisher is made (in the turn's task), not per piece:
     # `asyncio.get_running_loop()` makes a getpid() system call each time (gateway.ws).
@@ -71,31 +92,57 @@ class DeltaPublisher:
     async def __call__(self, text: str, emitted_at: float) -> None:
         if self.stopped:
             return  # stopped: a flag look-up, no I/O on the per-token path
-        if self._held or self._sent_this_turn:  # never ahead of a held piece
-            if not self._held:
-                self._held_at = emitted_at
-                self._publishing = asyncio.create_task(self._publish_held())
+        if self._held:  # never ahead of a held piece
             self._held.append(text)
+            self._held_chars += len(text)
+        elif self._recent:
+            self._held.append(text)
+            self._held_at = emitted_at
+            self._held_chars = len(text)
+            if self.coalescing.window > 0:
+                self._due = self._loop.call_later(self.coalescing.window, self._window_over)
+            else:  # the next turn of the loop: the publishing task's first step
+                self._window_over()
+        else:
+            await self._publish(text, emitted_at)
             return
-        self._sent_this_turn = True
-        self._loop.call_soon(self._next_turn)
-        await self._publish(text, emitted_at)
+        if self._held_chars >= self.coalescing.max_chars:
+            await self._publish_held()
 
     async def flush(self) -> None:
         """Publish what is held now (the stream ended: its reply must not overtake it)."""
         if self._publishing is not None:
             await self._publishing
+        await self._publish_held()
 
-    def _next_turn(self) -> None:
-        self._sent_this_turn = False
+    def _quiet_after_window(self) -> None:
+        if self.coalescing.window > 0:
+            self._loop.call_later(self.coalescing.window, self._quiet, self.seq)
+        else:
+            self._loop.call_soon(self._quiet, self.seq)
+
+    def _window_over(self) -> None:
+        # A task: publishing awaits. What arrives before it runs joins what it publishes.
+        self._publishing = self._loop.create_task(self._publish_held())
+
+    def _quiet(self, seq: int) -> None:
+        if seq == self.seq:  # no delta went out since the one that armed this timer
+            self._recent = False
 
     async def _publish_held(self) -> None:
+        if not self._held:
+            return
         held, self._held = self._held, []
+        if self._due is not None:  # cut by the size bound or the stream's end
+            self._due.cancel()
+            self._due = None
         if not self.stopped:  # a stop drops what was held: the reply holds what went out
             await self._publish("".join(held), self._held_at)
 
     async def _publish(self, text: str, emitted_at: float) -> None:
         self.seq += 1
+        self._recent = True
+        self._quiet_after_window()
         # Before the publish: nats-py queues the message before its first await, so a
         # piece recorded here is a piece that went out.
         self.pieces.append(text)

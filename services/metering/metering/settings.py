@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from metering.cancels import DEFAULT_TTL_SECONDS
+from metering.publisher import Coalescing
 from servicekit.settings import ServiceSettings
 
 
@@ -40,3 +41,12 @@ class MeteringSettings(ServiceSettings):
     # How long a cancel is remembered for a stream that has not started yet (the
     # announcement can overtake the stream request it stops).
     cancel_memory_seconds: float = DEFAULT_TTL_SECONDS
+    # A stream's text is gathered into one delta per window after its first (0: one per
+    # read of the provider's stream), or per this many characters if that comes first
+    # (`metering.publisher.Coalescing`).
+    delta_window_ms: float = Field(default=40.0, ge=0)
+    delta_max_chars: int = Field(default=4096, ge=1)
+
+    @property
+    def coalescing(self) -> Coalescing:
+        return Coalescing(self.delta_window_ms / 1000, self.delta_max_chars)

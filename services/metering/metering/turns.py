@@ -44,6 +44,7 @@ from metering.cancels import Cancellations
 from metering.catalog import Catalog
 from metering.metrics import observe, observe_limits, observe_refusal
 from metering.providers.base import Progress, Provider, Providers
+from metering.publisher import Coalescing
 from metering.repository import MeteringRepository
 from servicekit.endpoint import UNAVAILABLE_ERRORS
 from servicekit.faults import crash_point
@@ -65,6 +66,7 @@ class TurnRunner:
         providers: Providers | Provider,
         nc: Client,
         cancels: Cancellations | None = None,
+        coalescing: Coalescing | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._repo = repo
@@ -73,6 +75,7 @@ class TurnRunner:
         self.providers = providers if isinstance(providers, Providers) else Providers(providers)
         self._nc = nc
         self.cancels = cancels or Cancellations()
+        self._coalescing = coalescing or Coalescing()
         self._clock = clock
 
     async def run(self, cmd: LlmTurn) -> TurnReply:
@@ -94,7 +97,9 @@ class TurnRunner:
 
         progress = Progress()
         request = request_of(cmd, binding.model)
-        outcome = await call(provider, cmd, request, progress, self._nc, self.cancels)
+        outcome = await call(
+            provider, cmd, request, progress, self._nc, self.cancels, self._coalescing
+        )
         crash_point("metering.before_bill")  # the call made, its bill not written
 
         timing = Timing(started, progress.first_token_at, self._clock())

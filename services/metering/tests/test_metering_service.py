@@ -34,7 +34,7 @@ from domain.metering import Price, cost_micros, estimate_input_tokens, worst_cas
 from domain.metering_turn import prompt_bytes
 from metering.cancels import RunningTurn
 from metering.catalog import Catalog
-from metering.publisher import DeltaPublisher
+from metering.publisher import Coalescing, DeltaPublisher
 from metering.repository import MeteringRepository
 from servicekit.client import CommandFailed, call
 from servicekit.db import create_pool
@@ -252,14 +252,16 @@ async def published(nc: Client, subject: str) -> list[TurnDelta]:
     return deltas
 
 
-async def test_pieces_handed_on_together_after_the_first_go_as_one_delta(nc: Client) -> None:
-    """The first piece of a read of the provider's stream is published at once; the rest
-    of that read is published as one delta once the provider waits again (its first
-    piece's time): fewer messages for every hop after metering when text arrives faster
-    than it is read (issue 12), a delta per piece when it is read as it comes."""
+async def test_without_a_window_pieces_handed_on_together_after_the_first_go_as_one_delta(
+    nc: Client,
+) -> None:
+    """Window 0: the first piece of a read of the provider's stream is published at once;
+    the rest of that read is published as one delta once the provider waits again (its
+    first piece's time): fewer messages for every hop after metering when text arrives
+    faster than it is read, a delta per piece when it is read as it comes."""
     subject = f"agent.delta.proj.{uuid.uuid4()}"
     deltas = await published(nc, subject)
-    publish = DeltaPublisher(nc, subject, "turn-coalesced")
+    publish = DeltaPublisher(nc, subject, "turn-coalesced", coalescing=Coalescing(window=0))
     for at, piece in enumerate(["Bom ", "dia", ", ", "Ana"]):  # one read: no wait between
         await publish(piece, float(at))
     await asyncio.sleep(0)  # the provider waits for its next read
