@@ -32,7 +32,14 @@ import uvloop
 from nats.aio.client import Client
 
 from contracts import subjects
-from contracts.metering import BindingSetReply, SetBinding, TurnDelta
+from contracts.metering import (
+    BindingSetReply,
+    ChatMessage,
+    LlmStream,
+    SetBinding,
+    TurnDelta,
+    TurnReply,
+)
 from servicekit.client import call
 from testkit import fake_chat_api as chat
 from testkit import fake_messages_api as messages
@@ -149,6 +156,16 @@ class Provider:
             binding = SetBinding(scope="project", project_id=project, model=OPENAI_MODEL,
                                  provider="openai")  # fmt: skip
             await call(nc, subjects.BINDINGS_SET, binding, BindingSetReply, timeout=30)
+
+    async def warm(self, nc: Client, project: str) -> None:
+        """One stream of `project` through metering, not measured: metering's first call
+        to a provider pays its first uses (the SDK's lazy imports, the connection), not
+        what a turn costs."""
+        stream = LlmStream(run_id="warm-up", turn_id="warm-up", agent_slug="bench",
+                           project_id=project, max_tokens=200,
+                           messages=[ChatMessage(role="user", content="Tell me about bread.")],
+                           delta_subject=f"{subjects.DELTA_PREFIX}warm-up.{self.name}")  # fmt: skip
+        await call(nc, subjects.LLM_STREAM, stream, TurnReply, timeout=120)
 
 
 async def start_provider(

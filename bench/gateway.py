@@ -515,6 +515,7 @@ async def measure(stack: contextlib.AsyncExitStack, srv: bk.Servers, nc: Client,
             env_paced = env | model.env | {"AGENTBUS_SCRIPT_PATH": str(script)}
             (metering,) = await bk.start_services(paced, nc, env_paced, srv.state, ["metering"])
             await model.bind(nc, PROJECT)
+            await model.warm(nc, PROJECT)
             groups = {p.module: [p.pid] for p in [*procs, metering]} | model.group
             groups |= {"nats": [srv.nats_pid]} if srv.nats_pid else {}
             for n in (load.clients for load in levels if load.delay_ms == delay_ms):
