@@ -645,7 +645,6 @@ FIGURES: list[tuple[str, Callable[[Measurement], float]]] = [
 
 
 async def measure(
-    stack: contextlib.AsyncExitStack,
     srv: Servers,
     nc: Client,
     provider: str,
@@ -656,79 +655,80 @@ async def measure(
     goals: Goals,
 ) -> dict[int, Measurement]:
     """Start the services on `provider` (and the stand-in it calls) with a database of their
-    own, measure each level, print it and check its goals."""
-    database_url = await stack.enter_async_context(fresh_database(srv.admin_url))
-    # Criativo's turns answer without tools, so one provider call is one turn.
-    script = {"steps": [{"text": " ".join(f"w{i}" for i in range(tokens)),
-                         "input_tokens": 100, "token_delay_ms": delay_ms}]}  # fmt: skip
-    script_path = srv.state / "script.json"
-    script_path.write_text(json.dumps(script))
-    model = await start_provider(stack, provider, tokens, delay_ms / 1000)
-    env = service_env(
-        srv.nats_url,
-        database_url,
-        AGENTBUS_PROVIDER="scripted",
-        AGENTBUS_SCRIPT_PATH=str(script_path),
-        AGENTBUS_LOG_FORMAT="json",
-        AGENTBUS_OUTBOX_POLL_SECONDS="0.2",
-        AGENTBUS_SESSION_BUDGET_MICROS="100000000",
-    )
-    procs = await start_services(stack, nc, env | model.env, srv.state, SERVICES, READY_TIMEOUT)
-    await model.bind(nc, PROJECT)
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
-    assert pool is not None
-    stack.push_async_callback(pool.close)
-    groups = {p.module: [p.pid] for p in procs} | model.group
-    if srv.nats_pid is not None:
-        groups["nats"] = [srv.nats_pid]
-    roles = [*groups, "postgres"]
-    print(f"\n{provider} provider:", flush=True)
-    await warm_up(nc, delay_ms / 1000)
-    counted, one_by_one = await census(nc, delay_ms / 1000, CENSUS_TURNS, groups, pool)
-    print("\n".join(counted), flush=True)
-    cpu_rows, bounds = [one_by_one], []
-    results: dict[int, Measurement] = {}
-    for level in levels:
-        n = level.sessions
-        spies = {p.module: p.pid for p in procs if spy_dir is not None and p.module in PROFILED}
-        burst, spread, idle = await measure_level(
-            nc, srv.nats_url, level, groups, pool, spies, spy_dir
+    own, measure each level, print it and check its goals; stop them."""
+    async with contextlib.AsyncExitStack() as stack:
+        database_url = await stack.enter_async_context(fresh_database(srv.admin_url))
+        # Criativo's turns answer without tools, so one provider call is one turn.
+        script = {"steps": [{"text": " ".join(f"w{i}" for i in range(tokens)),
+                             "input_tokens": 100, "token_delay_ms": delay_ms}]}  # fmt: skip
+        script_path = srv.state / "script.json"
+        script_path.write_text(json.dumps(script))
+        model = await start_provider(stack, provider, tokens, delay_ms / 1000)
+        env = service_env(
+            srv.nats_url,
+            database_url,
+            AGENTBUS_PROVIDER="scripted",
+            AGENTBUS_SCRIPT_PATH=str(script_path),
+            AGENTBUS_LOG_FORMAT="json",
+            AGENTBUS_OUTBOX_POLL_SECONDS="0.2",
+            AGENTBUS_SESSION_BUDGET_MICROS="100000000",
         )
-        results[n] = Measurement(burst, spread)
-        for measured in (burst, spread):
-            print("\n".join(measured.lines), flush=True)
-        print(f"  ({load_average()})")
-        for scenario_name in ("burst", "spread"):
-            for module in spies:
-                assert spy_dir is not None
-                path = spy_dir / f"{module}-{scenario_name}-{n}.txt"
-                print(f"py-spy, {module} during the {scenario_name} ({path}):")
-                print("\n".join(top_frames(path, 25)), flush=True)
-        net = net_of_idle(spread.cpu, idle, n / level.mean_gap_s)
-        cpu_rows += [
-            ("burst", n, burst.cpu),
-            ("spread", n, spread.cpu),
-            ("idle/s", n, idle),
-            ("spread-idle", n, net),
-        ]
-        bounds.append(burst_bound(n, burst.cpu))
-        if provider == "scripted" and n in FIRST_DELTA_GOAL_MS:
-            goals.at_most(f"append → first delta p99 ms at {n} sessions, spread arrivals",
-                          spread.p99, FIRST_DELTA_GOAL_MS[n])  # fmt: skip
-            print(f"  burst at {n} (worst case, not judged): first delta p99 "
-                  f"{burst.p99:.1f} ms")  # fmt: skip
-        if provider != "scripted" and n in REAL_FIRST_DELTA_GOAL_MS:
-            goals.at_most(f"{provider}: first delta p99 over the stand-in's own p99, ms, "
-                          f"{n} sessions at once", over_stand_in(burst),
-                          REAL_FIRST_DELTA_GOAL_MS[n])  # fmt: skip
-    print("\n".join(cpu_table(roles, cpu_rows, name_width=12)).replace("per op", "per turn", 1))
-    print("  idle/s: CPU ms per second with no turn running (polls, fetches, keep-alives);")
-    print("  a spread turn carries its share of it (idle/s ÷ turns per second); spread-idle")
-    print("  is the spread's CPU per turn without that share: the turn's own work;")
-    print(f"  1-by-1-idle: {CENSUS_TURNS} turns of one session one after another (the")
-    print("  messages counted above), less each process's CPU in as long idle")
-    print("\n".join(bounds))
-    return results
+        procs = await start_services(stack, nc, env | model.env, srv.state, SERVICES, READY_TIMEOUT)
+        await model.bind(nc, PROJECT)
+        pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
+        assert pool is not None
+        stack.push_async_callback(pool.close)
+        groups = {p.module: [p.pid] for p in procs} | model.group
+        if srv.nats_pid is not None:
+            groups["nats"] = [srv.nats_pid]
+        roles = [*groups, "postgres"]
+        print(f"\n{provider} provider:", flush=True)
+        await warm_up(nc, delay_ms / 1000)
+        counted, one_by_one = await census(nc, delay_ms / 1000, CENSUS_TURNS, groups, pool)
+        print("\n".join(counted), flush=True)
+        cpu_rows, bounds = [one_by_one], []
+        results: dict[int, Measurement] = {}
+        for level in levels:
+            n = level.sessions
+            spies = {p.module: p.pid for p in procs if spy_dir is not None and p.module in PROFILED}
+            burst, spread, idle = await measure_level(
+                nc, srv.nats_url, level, groups, pool, spies, spy_dir
+            )
+            results[n] = Measurement(burst, spread)
+            for measured in (burst, spread):
+                print("\n".join(measured.lines), flush=True)
+            print(f"  ({load_average()})")
+            for scenario_name in ("burst", "spread"):
+                for module in spies:
+                    assert spy_dir is not None
+                    path = spy_dir / f"{module}-{scenario_name}-{n}.txt"
+                    print(f"py-spy, {module} during the {scenario_name} ({path}):")
+                    print("\n".join(top_frames(path, 25)), flush=True)
+            net = net_of_idle(spread.cpu, idle, n / level.mean_gap_s)
+            cpu_rows += [
+                ("burst", n, burst.cpu),
+                ("spread", n, spread.cpu),
+                ("idle/s", n, idle),
+                ("spread-idle", n, net),
+            ]
+            bounds.append(burst_bound(n, burst.cpu))
+            if provider == "scripted" and n in FIRST_DELTA_GOAL_MS:
+                goals.at_most(f"append → first delta p99 ms at {n} sessions, spread arrivals",
+                              spread.p99, FIRST_DELTA_GOAL_MS[n])  # fmt: skip
+                print(f"  burst at {n} (worst case, not judged): first delta p99 "
+                      f"{burst.p99:.1f} ms")  # fmt: skip
+            if provider != "scripted" and n in REAL_FIRST_DELTA_GOAL_MS:
+                goals.at_most(f"{provider}: first delta p99 over the stand-in's own p99, ms, "
+                              f"{n} sessions at once", over_stand_in(burst),
+                              REAL_FIRST_DELTA_GOAL_MS[n])  # fmt: skip
+        print("\n".join(cpu_table(roles, cpu_rows, name_width=12)).replace("per op", "per turn", 1))
+        print("  idle/s: CPU ms per second with no turn running (polls, fetches, keep-alives);")
+        print("  a spread turn carries its share of it (idle/s ÷ turns per second); spread-idle")
+        print("  is the spread's CPU per turn without that share: the turn's own work;")
+        print(f"  1-by-1-idle: {CENSUS_TURNS} turns of one session one after another (the")
+        print("  messages counted above), less each process's CPU in as long idle")
+        print("\n".join(bounds))
+        return results
 
 
 async def run(
@@ -752,10 +752,9 @@ async def run(
         goals = Goals()
         results: dict[str, dict[int, Measurement]] = {}
         for provider, its_levels in levels.items():  # one set of services at a time
-            async with contextlib.AsyncExitStack() as each:
-                results[provider] = await measure(
-                    each, srv, nc, provider, tokens, delay_ms, its_levels, spy_dir, goals
-                )
+            results[provider] = await measure(
+                srv, nc, provider, tokens, delay_ms, its_levels, spy_dir, goals
+            )
         if len(results) > 1:
             ratios = "; ratios to the scripted provider's" if "scripted" in results else ""
             print(f"\nside by side (first delta less the provider's delay{ratios}):")
