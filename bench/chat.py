@@ -108,8 +108,8 @@ from fakeprovider import add_provider_option, chosen, emitted, first_word_s, sta
 from servicekit.client import call
 
 LEVELS = (1, 50, 200)
-# A real provider's SDK parses every event in metering's process: 200 sessions of it would
-# take the default run (both providers) well past ten minutes on two cores.
+# A real provider's SDK parses every event in metering's process: at 1 and 50 sessions the
+# default run (both providers) takes about five minutes on two cores.
 REAL_LEVELS = (1, 50)
 # The goal: append → first delta overhead, p99 ms, by concurrent sessions (spread arrivals,
 # scripted provider).
