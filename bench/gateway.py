@@ -33,8 +33,8 @@ HTTP+SSE API in a process of its own, called by metering through the official SD
 per-token latency is from the time the stand-in wrote the word. By default the scripted
 and the Anthropic providers run one after the other, each with services and a database of
 their own (metering and the stand-in again for each pace of tokens), and a table sets
-them side by side with their ratios. The real path runs at the same levels: 500 clients
-of it keep both cores busy for about a minute.
+them side by side with their ratios. The real path runs at the same levels (the goals are
+set at them); the default run takes about a quarter of an hour on two busy cores.
 
 Goals, checked at every level; the exit status is 1 when one is missed, and each goal is
 printed met / MISSED. Every turn ends with its `done`, no chat is refused, ≤ 40 KiB RSS per
