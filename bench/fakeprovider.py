@@ -54,6 +54,8 @@ DEFAULT_PROVIDERS = ("scripted", "anthropic")
 STAMP = b"@EMITTED"
 ASKED = b"@ASKED"
 OPENAI_MODEL = "llama3.2"
+# The agents the benches stream as: bench/metering.py's and `Provider.warm`'s, and Criativo.
+BENCH_AGENTS = ("bench", "criativo")
 
 
 def stamps(text: str) -> list[float]:
@@ -150,11 +152,14 @@ class Provider:
         return {"provider": [self.pid]} if self.pid is not None else {}
 
     async def bind(self, nc: Client, project: str) -> None:
-        """With the OpenAI-compatible stand-in, `project`'s agents use its model (metering
-        must be answering); the others need no binding."""
-        if self.name == "openai":
-            binding = SetBinding(scope="project", project_id=project, model=OPENAI_MODEL,
-                                 provider="openai")  # fmt: skip
+        """With the OpenAI-compatible stand-in, the benches' agents of `project` use its model
+        (metering must be answering); the others need no binding. Bound per agent: an
+        agent's binding (Criativo has one from metering's seed) outranks a project's."""
+        if self.name != "openai":
+            return
+        for agent in BENCH_AGENTS:
+            binding = SetBinding(scope="agent", agent_slug=agent, project_id=project,
+                                 model=OPENAI_MODEL, provider="openai")  # fmt: skip
             await call(nc, subjects.BINDINGS_SET, binding, BindingSetReply, timeout=30)
 
     async def warm(self, nc: Client, project: str) -> None:
