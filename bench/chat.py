@@ -634,6 +634,7 @@ def over_stand_in(m: Measured) -> float:
 FIGURES: list[tuple[str, Callable[[Measurement], float]]] = [
     ("burst: append → 1st delta p50 ms", lambda r: percentile(r.burst.chat.first_delta_ms, 0.5)),
     ("burst: append → 1st delta p99 ms", lambda r: r.burst.p99),
+    ("burst: the stand-in's 1st word p99", lambda r: percentile(r.burst.chat.stand_in_ms, 0.99)),
     ("burst: per-token p99 ms", lambda r: percentile(r.burst.chat.per_token_ms, 0.99)),
     ("burst: CPU ms per turn", lambda r: own_cpu_ms(r.burst)),
     ("spread: append → 1st delta p50 ms", lambda r: percentile(r.spread.chat.first_delta_ms, 0.5)),
