@@ -117,6 +117,8 @@ REAL_P99_CLIENTS, REAL_P99_MARGIN_MS = 500, 60.0
 BUS_GOAL = {5.0: 0.2, 20.0: 0.5}
 BUS_GOAL_CLIENTS = 100
 DEFAULT_LEVELS = "100,100@5,500"
+# Services starting on a loaded 2-core machine can take minutes (as in bench/chat.py).
+READY_TIMEOUT = 180.0
 METERING = Path(__file__).with_name("metering.py")  # its raw-hop baseline, reused as chat.py does
 _spec = importlib.util.spec_from_file_location("bench_metering", METERING)
 assert _spec is not None and _spec.loader is not None
@@ -500,7 +502,7 @@ async def measure(stack: contextlib.AsyncExitStack, srv: bk.Servers, nc: Client,
                          AGENTBUS_LOG_FORMAT="json", AGENTBUS_OUTBOX_POLL_SECONDS="0.2",
                          AGENTBUS_SESSION_BUDGET_MICROS="100000000",
                          AGENTBUS_GATEWAY_SECRET=SECRET)  # fmt: skip
-    procs = await bk.start_services(stack, nc, env, srv.state, SERVICES)
+    procs = await bk.start_services(stack, nc, env, srv.state, SERVICES, READY_TIMEOUT)
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
     assert pool is not None
     stack.push_async_callback(pool.close)
@@ -512,8 +514,11 @@ async def measure(stack: contextlib.AsyncExitStack, srv: bk.Servers, nc: Client,
                 "text": " ".join(f"w{i}" for i in range(tokens)), "input_tokens": 100,
                 "token_delay_ms": delay_ms}]}))  # fmt: skip
             model = await start_provider(paced, provider, tokens, delay_ms / 1000)
+            paced_logs = srv.state / f"{provider}-{delay_ms:g}ms"  # a log per metering started
+            paced_logs.mkdir()
             env_paced = env | model.env | {"AGENTBUS_SCRIPT_PATH": str(script)}
-            (metering,) = await bk.start_services(paced, nc, env_paced, srv.state, ["metering"])
+            (metering,) = await bk.start_services(paced, nc, env_paced, paced_logs, ["metering"],
+                                                  READY_TIMEOUT)  # fmt: skip
             await model.bind(nc, PROJECT)
             await model.warm(nc, PROJECT)
             groups = {p.module: [p.pid] for p in [*procs, metering]} | model.group
