@@ -7,6 +7,8 @@
 - `closed_loop`: N clients, each sending its next operation after the previous reply;
 - `CpuMeter`: CPU time per process group (Postgres backends included) and machine load;
 - `percentile`, `Col` / `table` / `latency_row`: the figures and the way they are printed;
+- `side_by_side`: the same figures of several providers' runs, with their ratios;
+- `delta_window_ms`: metering's delta coalescing window the services run with;
 - `py_spy` / `top_frames`: a py-spy profile of a process over a measurement, and its summary.
 
 A benchmark imports this as `benchkit` (Python puts the script's folder first on the path);
@@ -26,9 +28,18 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -42,6 +53,7 @@ from servicekit.embedded import start_nats, start_postgres
 from testkit.services import ServiceProcess
 
 TICK = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
 Op = Callable[[int], Awaitable[bool]]  # one operation of client i; False = an error reply
 
 
@@ -126,6 +138,17 @@ async def start_services(
     if "metering" in modules:
         await lift_limits(nc)
     return procs
+
+
+def delta_window_ms() -> float:
+    """Metering's delta coalescing window, ms, as the services get it (their environment is
+    this process's): AGENTBUS_DELTA_WINDOW_MS, else metering's default."""
+    window = os.environ.get("AGENTBUS_DELTA_WINDOW_MS")
+    if window:
+        return float(window)
+    # Metering's default (`MeteringSettings.delta_window_ms`), written here: a bench
+    # script's folder comes first on the path, where bench/metering.py shadows the package.
+    return 40.0
 
 
 async def lift_limits(nc: Client) -> None:
@@ -359,6 +382,29 @@ def latency_row(name: str, values: list[float], base: list[float] | None = None)
         r50, r99 = ratio(p50, percentile(base, 0.5)), ratio(p99, percentile(base, 0.99))
         text += f"   ratio p50 {r50:5.2f}  p99 {r99:5.2f}"
     return text
+
+
+def side_by_side(
+    results: Mapping[str, Mapping[Any, T]], figures: Sequence[tuple[str, Callable[[T], float]]]
+) -> list[str]:
+    """Each figure of each provider (`results`: provider → level → measurement) at each
+    level they share, in the first provider's order, and its ratio to the scripted
+    provider's (the first column) when that ran."""
+    names = list(results)
+    ratios = [n for n in names[1:] if names[0] == "scripted"]
+    levels = [lvl for lvl in results[names[0]] if all(lvl in r for r in results.values())]
+    lvl_width = max([3, *(len(str(lvl)) for lvl in levels)]) + 1
+    width = max(len(f) for f, _ in figures) + 2
+    cols = [Col("lvl", lvl_width), Col("", width, left=True)]
+    cols += [Col(n, 11, ".3f") for n in names]
+    cols += [Col(f"{n} ÷ {names[0]}", len(n) + len(names[0]) + 5, ".2f") for n in ratios]
+    rows = []
+    for level in levels:
+        for i, (figure, value) in enumerate(figures):
+            values = [value(results[n][level]) for n in names]
+            cells = [level if i == 0 else "", f"  {figure}", *values]
+            rows.append([[*cells, *(ratio(v, values[0]) for v in values[1 : len(ratios) + 1])]])
+    return table([cols], rows)
 
 
 def cpu_table(

@@ -32,14 +32,14 @@ the window on: ≤ 0.2 messages per token at 5 ms, ≤ 0.5 at 20 ms, per-token a
 p99 ≤ the window + 60 ms.
 
 `--provider anthropic` / `--provider openai`: the same streams from a provider's HTTP+SSE
-API through its official SDK, as a deployment runs metering: the fake of
-`testkit.fake_messages_api` (Anthropic Messages API) or `testkit.fake_chat_api`
-(OpenAI-compatible, as a local model is served), in a process of its own, writing one
-event per word at the delay. Each word carries the time the fake wrote it, so per-token
-latency there spans the whole real path (the HTTP hop, the SDK's parsing, metering, the
-NATS hop); "after metering's read" is the part from metering's read of the text on. What
-one read of a stream gives is published as fewer deltas when metering falls behind: the
-bench prints deltas per token and metering's CPU per delta. The SDK's parsing is
+API through its official SDK, as a deployment runs metering: the stand-in of
+`bench/fakeprovider.py` (Anthropic Messages API, or OpenAI-compatible as a local model
+is served), in a process of its own, writing one event per word at the delay. Each word
+carries the time the stand-in wrote it, so per-token latency there spans the whole real
+path (the HTTP hop, the SDK's parsing, metering, the NATS hop); "after metering's read"
+is the part from metering's read of the text on. What one read of a stream gives is
+published as fewer deltas when metering falls behind: the bench prints deltas per token
+and metering's CPU per delta. The SDK's parsing is
 metering's CPU, so the goals are checked on the scripted provider only; the Anthropic
 provider runs at 1 and 50 streams.
 
@@ -66,7 +66,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
 
 import asyncpg
 import nats
@@ -87,28 +86,24 @@ from benchkit import (
     ratio,
     servers,
     service_env,
+    side_by_side,
     start_services,
     table,
 )
 from contracts import subjects
 from contracts.metering import (
-    BindingSetReply,
     ChatMessage,
     LlmStream,
-    SetBinding,
     TurnDelta,
     TurnReply,
 )
+from fakeprovider import add_provider_option, chosen, emitted, start_provider
 from servicekit.client import call
-from testkit import fake_chat_api as chat
-from testkit import fake_messages_api as messages
-from testkit.fake_sse import FakeSseServer, R
 
 LEVELS = (1, 50, 200)
 # The Anthropic SDK parses every event in metering's process: 200 streams of it would take
 # the default run (both providers) well past a few minutes on two cores.
 ANTHROPIC_LEVELS = (1, 50)
-PROVIDERS = ("scripted", "anthropic", "openai")
 # Streams measured per level (the single-stream level runs its streams one after another).
 STREAMS_PER_LEVEL = {1: 20, 50: 100, 200: 200}
 SUBJECT_ROOT = "agent.delta.bench"
@@ -124,23 +119,11 @@ MESSAGES_PER_TOKEN_GOALS = {5.0: 0.2, 20.0: 0.5}
 COALESCED_P99_BEYOND_WINDOW_MS = 60.0
 
 
-# The placeholder a fake's word carries until the fake writes it, then its write time.
-STAMP = b"@EMITTED"
-
-
 @dataclass
 class Samples:
     per_token_ms: list[float] = field(default_factory=list)  # from the provider's emit
     after_read_ms: list[float] = field(default_factory=list)  # from metering's read
     ttft_overhead_ms: list[float] = field(default_factory=list)
-
-
-def emitted(delta: TurnDelta) -> float:
-    """When the provider emitted the delta's first word: the write time a fake stamped on
-    it, or, from the scripted provider, the delta's own `emitted_at`."""
-    word = delta.text.split(maxsplit=1)[0] if delta.text.strip() else ""
-    _, stamp, at = word.partition("@")
-    return float(at) if stamp else delta.emitted_at
 
 
 class Receiver:
@@ -244,58 +227,6 @@ async def baseline(nats_url: str, receiver: Receiver, streams: int, concurrency:
     return float(out.decode().split()[-1])
 
 
-def bench_fake(base: type[FakeSseServer[R]], reply: R) -> FakeSseServer[R]:
-    """A fake API of class `base` answering every request with `reply`, and writing in
-    place of `STAMP` in a frame the time it writes the frame."""
-
-    class BenchFake(base):  # type: ignore[valid-type,misc]
-        def _next_reply(self, body: dict[str, Any]) -> R:
-            return reply
-
-        @staticmethod
-        def _write_chunk(writer: asyncio.StreamWriter, frame: bytes) -> None:
-            base._write_chunk(writer, frame.replace(STAMP, b"@%.6f" % time.time()))
-
-    return cast(FakeSseServer[R], BenchFake())
-
-
-async def serve_fake(provider: str, tokens: int, delay_s: float) -> None:
-    """The fake API of `--provider anthropic|openai`: every request answered with `tokens`
-    words, one event each, written `delay_s` apart (the first one too, as the scripted
-    provider waits before its first token); prints its base URL and serves until its stdin
-    closes."""
-    words = [f"w{i}{STAMP.decode()} " for i in range(tokens)]
-    fake: FakeSseServer[Any]
-    if provider == "anthropic":
-        events = [messages.message_start(100), *messages.text_block(0, words)]
-        events += [messages.message_delta(tokens), messages.MESSAGE_STOP]
-        # message_start, content_block_start and ping go at once, then one word per delay
-        answer = messages.Reply(events=events, pace_after=3, pace_seconds=delay_s)
-        fake = bench_fake(messages.FakeMessagesApi, answer)
-    else:
-        reply = chat.text_reply(words, prompt=100)
-        reply.pace_after, reply.pace_seconds = 1, delay_s  # the role chunk goes at once
-        fake = bench_fake(chat.FakeChatApi, reply)
-    await fake.start()
-    print(fake.base_url, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    await fake.stop()
-
-
-async def start_fake(
-    stack: contextlib.AsyncExitStack, provider: str, tokens: int, delay_s: float
-) -> tuple[str, int]:
-    """The fake API's process: its base URL and pid."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--serve-fake", provider, str(tokens), str(delay_s),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert child.stdin is not None and child.stdout is not None
-    stack.push_async_callback(child.wait)
-    stack.callback(child.stdin.close)
-    return (await child.stdout.readline()).decode().strip(), child.pid
-
-
 @dataclass
 class Level:
     """What one provider gave at one level of concurrency."""
@@ -324,21 +255,10 @@ async def measure(
     each level, beside the raw NATS hop of the same deltas."""
     delay_s = delay_ms / 1000
     env, database_url = await scripted_env(stack, srv, tokens, {"bench": delay_ms}, window_ms=0)
-    provider_group: dict[str, list[int]] = {}
-    if provider != "scripted":
-        url, pid = await start_fake(stack, provider, tokens, delay_s)
-        provider_group = {"provider": [pid]}
-        if provider == "anthropic":
-            env.update(AGENTBUS_PROVIDER="anthropic", ANTHROPIC_BASE_URL=url,
-                       ANTHROPIC_API_KEY="bench")  # fmt: skip
-        else:
-            env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY="bench")
-    procs = await start_services(stack, nc, env, srv.state, ["metering"])
+    model = await start_provider(stack, provider, tokens, delay_s)
+    procs = await start_services(stack, nc, env | model.env, srv.state, ["metering"])
+    await model.bind(nc, "bench")
     pool = await one_connection(stack, database_url)
-    if provider == "openai":  # the bench agent's model, served by the OpenAI fake
-        binding = SetBinding(scope="agent", agent_slug="bench", project_id="bench",
-                             model="llama3.2", provider="openai")  # fmt: skip
-        await call(nc, subjects.BINDINGS_SET, binding, BindingSetReply)
     nats_group = {"nats": [srv.nats_pid]} if srv.nats_pid is not None else {}
     print(f"\n{provider} provider (metering pid {procs[0].pid}):", flush=True)
     levels: dict[int, Level] = {}
@@ -357,7 +277,7 @@ async def measure(
         await sub.unsubscribe()
         sub = await nc.subscribe(f"{SUBJECT_ROOT}.*", cb=measured.on_msg)
         await nc.flush()
-        meter = CpuMeter({"metering": [procs[0].pid], **provider_group, **nats_group}, pool)
+        meter = CpuMeter({"metering": [procs[0].pid], **model.group, **nats_group}, pool)
         await meter.start()
         started = time.perf_counter()
         await metering_streams(nc, measured, streams, level, tokens, delay_s)
@@ -500,23 +420,6 @@ FIGURES: list[tuple[str, Callable[[Level], float]]] = [
 ]
 
 
-def side_by_side(results: dict[str, dict[int, Level]]) -> list[str]:
-    """Each figure of each provider at each level they share, and its ratio to the
-    scripted provider's (the first column) when that ran."""
-    names = list(results)
-    ratios = [n for n in names[1:] if names[0] == "scripted"]
-    cols = [Col("lvl", 4), Col("", 36, left=True), *(Col(n, 11, ".3f") for n in names)]
-    cols += [Col(f"{n} ÷ {names[0]}", len(n) + len(names[0]) + 5, ".2f") for n in ratios]
-    shared = sorted(set.intersection(*(set(levels) for levels in results.values())))
-    rows = []
-    for level in shared:
-        for i, (figure, value) in enumerate(FIGURES):
-            values = [value(results[n][level]) for n in names]
-            cells = [level if i == 0 else "", f"  {figure}", *values]
-            rows.append([[*cells, *(ratio(v, values[0]) for v in values[1 : len(ratios) + 1])]])
-    return table([cols], rows)
-
-
 async def run(tokens: int, delay_ms: float, providers: list[str]) -> int:
     async with contextlib.AsyncExitStack() as stack:
         srv = stack.enter_context(servers(prefix="bench-metering-"))
@@ -555,7 +458,7 @@ async def run(tokens: int, delay_ms: float, providers: list[str]) -> int:
         if len(results) > 1:
             ratios = "; ratios to the scripted provider's" if "scripted" in results else ""
             print(f"\nside by side (latencies in ms{ratios}):")
-            print("\n".join(side_by_side(results)))
+            print("\n".join(side_by_side(results, FIGURES)))
         print(f"\ncoalescing, {COALESCING_STREAMS} concurrent streams of {tokens} tokens "
               "(latencies in ms; the ratio: window on ÷ off):")  # fmt: skip
         print("\n".join(coalescing_report(coalesced, goals)))
@@ -570,18 +473,12 @@ def main() -> None:
         uvloop.run(baseline_publisher(url, int(streams), int(concurrency), int(tokens),
                                       float(delay)))  # fmt: skip
         return
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve-fake":
-        uvloop.run(serve_fake(sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=30)
     parser.add_argument("--delay-ms", type=float, default=20.0)
-    parser.add_argument("--provider", choices=PROVIDERS, action="append",
-                        help="repeatable; default: scripted and anthropic")  # fmt: skip
+    add_provider_option(parser)
     args = parser.parse_args()
-    chosen = args.provider or ["scripted", "anthropic"]
-    providers = [p for p in PROVIDERS if p in chosen]  # scripted first: the ratios' base
-    sys.exit(uvloop.run(run(args.tokens, args.delay_ms, providers)))
+    sys.exit(uvloop.run(run(args.tokens, args.delay_ms, chosen(args.provider))))
 
 
 if __name__ == "__main__":
