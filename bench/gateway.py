@@ -38,9 +38,9 @@ set at them); the default run takes about a quarter of an hour on two busy cores
 
 Goals, checked at every level; the exit status is 1 when one is missed, and each goal is
 printed met / MISSED. Every turn ends with its `done`, no chat is refused, ≤ 40 KiB RSS per
-joined connection. On the scripted provider: per-token p99 ≤ 50 ms; ≤ 0.15 ms CPU per
-token on the gateway path (the processes a token crosses after metering published it:
-NATS and the gateway; the table shows every process). On a real provider's path:
+joined connection. On the scripted provider: per-token p99 ≤ the delta window + 50 ms;
+≤ 0.15 ms CPU per token on the gateway path (the processes a token crosses after metering
+published it: NATS and the gateway; the table shows every process). On a real provider's path:
 ≤ 0.08 ms CPU per token across every process but the bench's and the stand-in's (the
 provider's servers are not the platform's; the table shows the stand-in's) at 100
 clients, tokens 20 ms apart; per-token p99 ≤ metering's delta window + 60 ms at 500
@@ -102,7 +102,8 @@ SECRET = "bench-secret-" + "x" * 40
 # Started once per provider; metering (and a real provider's stand-in) once per pace of
 # tokens, which the provider is started with.
 SERVICES = ["session_events", "handoff", "criativo"]
-# The scripted provider's goals, at every level.
+# The scripted provider's goals, at every level; the per-token p99's is beyond metering's
+# delta window, which a token may wait before it leaves metering.
 GOAL_P99_MS = 50.0
 GOAL_CPU_MS = 0.15
 GOAL_RSS_KIB = 40.0
@@ -430,15 +431,16 @@ def check(goals: bk.Goals, provider: str, r: dict[str, Any]) -> None:
     goals.at_most(f"{at}: chats refused", len(r["refused"]), 0)
     goals.at_most(f"{at}: RSS KiB per joined connection", rss_per_connection(r), GOAL_RSS_KIB)
     p99 = bk.percentile(r["per_token_ms"], 0.99)
+    window = bk.delta_window_ms()
     if provider == "scripted":
-        goals.at_most(f"{at}: per-token p99 ms", p99, GOAL_P99_MS)
+        goals.at_most(f"{at}: per-token p99 ms (delta window {window:g} ms + {GOAL_P99_MS:g})",
+                      p99, window + GOAL_P99_MS)  # fmt: skip
         goals.at_most(f"{at}: gateway-path CPU ms per token", path_cpu_ms(r), GOAL_CPU_MS)
         return
     if (n, delay) == REAL_CPU_GOAL[:2]:
         goals.at_most(f"{at}: CPU ms per token, every process but bench and stand-in",
                       every_process_cpu_ms(r), REAL_CPU_GOAL[2])  # fmt: skip
     if n == REAL_P99_CLIENTS:
-        window = bk.delta_window_ms()
         goals.at_most(f"{at}: per-token p99 ms (delta window {window:g} ms + "
                       f"{REAL_P99_MARGIN_MS:g})", p99, window + REAL_P99_MARGIN_MS)  # fmt: skip
     if n == BUS_GOAL_CLIENTS and delay in BUS_GOAL:
