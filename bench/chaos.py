@@ -625,24 +625,14 @@ async def drive_chaos(
     for kind, name in plan:
         await asyncio.sleep(gap)
         if kind == "kill":
-            # Both replicas may be restarting (the gateways, just after their restart):
-            # the blow waits for one to be up rather than be skipped.
-            alive = [s for s in system.replicas(name) if s.pid is not None]
-            for _ in range(300):
-                if alive:
-                    break
-                await asyncio.sleep(0.2)
-                alive = [s for s in system.replicas(name) if s.pid is not None]
-            victim = rng.choice(alive) if alive else None
-            if victim is None or victim.pid is None:
+            # Both replicas may be restarting (the gateways, just after their restart), or
+            # the one chosen may end between being chosen and the blow (a gateway in its
+            # own restart exits on its own): the blow waits for a replica that is up rather
+            # than be skipped, so every service loses one to SIGKILL.
+            hit = await _sigkill_a_replica(system, name, rng)
+            if hit is None:
                 continue
-            pid = victim.pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                # It ended between being chosen and the blow (a gateway in its own
-                # restart exits on its own): down already, so this blow is not counted.
-                continue
+            victim, pid = hit
             blows.append(Blow(time.time(), f"SIGKILL {name}-{victim.replica}", kind, pid))
         elif kind == "nats":
             node = rng.randrange(NATS_NODES)
@@ -666,6 +656,24 @@ async def drive_chaos(
                     os.kill(pid, signal.SIGCONT)
     await asyncio.gather(*background)
     return blows
+
+
+async def _sigkill_a_replica(
+    system: System, name: str, rng: random.Random
+) -> tuple[Supervised, int] | None:
+    """SIGKILL one running replica of `name`, waiting up to a minute for one to be up;
+    the replica and the pid killed, or None when none came up."""
+    for _ in range(300):
+        alive = [s for s in system.replicas(name) if s.pid is not None]
+        if alive:
+            victim = rng.choice(alive)
+            pid = victim.pid
+            assert pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                return victim, pid
+        await asyncio.sleep(0.2)
+    return None
 
 
 async def _nats_back(system: System, node: int, blows: list[Blow]) -> None:
