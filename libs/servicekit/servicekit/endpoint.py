@@ -29,9 +29,8 @@ from typing import Any, TypeVar
 
 import asyncpg
 from nats.aio.client import Client
-from nats.micro import add_service
 from nats.micro.request import Request
-from nats.micro.service import Endpoint, EndpointConfig, Service
+from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import Histogram
 from pydantic import BaseModel, ValidationError
@@ -185,19 +184,23 @@ class Endpoints:
         """Subscribe every command in the service's queue group; return the micro service.
         `metrics_url` is announced in its metadata, where `agentbus up` finds it, with
         the service's own `metadata` (what `$SRV.INFO.<service>` tells its callers)."""
-        service = await add_service(
+        # Endpoints first, `$SRV.PING` last (`start`): a replica that answers a ping
+        # answers its commands too, so a caller told it is up never finds no responders.
+        service = Service(
             nc,
-            name=self.service,
-            version=self.version,
-            description=self.description,
-            queue_group=self.service,
-            # lets a supervisor or a test tell the replicas apart in $SRV.PING replies
-            metadata={
-                **(metadata or {}),
-                "instance": instance,
-                "pid": str(os.getpid()),
-                "metrics": metrics_url,
-            },
+            ServiceConfig(
+                name=self.service,
+                version=self.version,
+                description=self.description,
+                queue_group=self.service,
+                # lets a supervisor or a test tell the replicas apart in $SRV.PING replies
+                metadata={
+                    **(metadata or {}),
+                    "instance": instance,
+                    "pid": str(os.getpid()),
+                    "metrics": metrics_url,
+                },
+            ),
         )
         limit = asyncio.Semaphore(concurrency)
         for command in self.commands:
@@ -211,6 +214,7 @@ class Endpoints:
                 )
             )
             stats.endpoint = service._endpoints[-1]
+        await service.start()
         return service
 
     async def drain(self) -> None:
