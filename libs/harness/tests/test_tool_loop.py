@@ -286,7 +286,9 @@ async def test_a_streaming_loop_the_person_stops_ends_with_the_text_written_so_f
     assert (result.status, result.iterations, result.turn_ids) == ("stopped", 1, [turn_id])
     [text] = result.texts
     assert 2 <= len(text.split()) < 400
-    assert result.usage.output_tokens == len(text.split()) and result.cost_micros > 0
+    # Billed: every word the provider wrote, the ones held in metering's delta window when
+    # the stop came too; the text is what the person was shown.
+    assert result.usage.output_tokens >= len(text.split()) and result.cost_micros > 0
     assert (await client.cancel(turn_id, "proj", session)).status == "finished"
 
 

@@ -3,7 +3,7 @@ when the N = 100 chaos run's 300 s settle ended). The turn's metering replica ne
 replies; the psychologist, whose whole-reply turns have no other sign of life, gives
 the turn up after `turn_lost_seconds` instead of holding the closing for the request's
 600 s, and runs it again under its retry id on the replica that is back: the session is
-analysed once, and the lost turn is never billed twice."""
+analysed once, and the lost turn is billed once, at its hold."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ async def log_only(nats_url: str, database_url: str, nc: Client) -> AsyncIterato
 
 async def killed_mid_turn(pool: asyncpg.Pool, run_id: str, *killed: Any) -> None:
     """SIGKILL `killed` once metering has taken the run's first turn: no reply will ever
-    come for that turn id, and its hold stays live (the sweeper's, much later)."""
+    come for that turn id, and its hold stays open until a live replica settles it."""
     await wait_for(
         lambda: pool.fetchval(
             "SELECT true FROM metering.budget_holds WHERE turn_id = $1", f"{run_id}.1"
@@ -84,11 +84,18 @@ async def analysed_once_under_the_retry_id(driver: LogDriver, session: uuid.UUID
     outcomes = [e for e in await driver.events(session) if e.type.value in FINISHED]
     assert outcomes == [outcome]  # analysed exactly once
     billed = await driver.db.fetch(
-        "SELECT turn_id FROM metering.token_usage WHERE run_id = $1 ORDER BY turn_id", run_id
+        "SELECT turn_id, billed_at_hold FROM metering.token_usage WHERE run_id = $1"
+        " ORDER BY turn_id",
+        run_id,
     )
-    # the killed turn has no bill (its hold is the sweeper's); its retry and the second
-    # iteration one each
-    assert [r["turn_id"] for r in billed] == [f"{run_id}.1.r1", f"{run_id}.2"]
+    # the killed turn is billed once, at its hold (its real usage died with its replica),
+    # by the replica restarted under its instance id before it serves; its retry and the
+    # second iteration one bill each
+    assert [(r["turn_id"], r["billed_at_hold"]) for r in billed] == [
+        (f"{run_id}.1", True),
+        (f"{run_id}.1.r1", False),
+        (f"{run_id}.2", False),
+    ]
 
 
 def slow_metering(spawn: Any, tmp_path: Path) -> tuple[Any, dict[str, str]]:
