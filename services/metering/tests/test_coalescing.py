@@ -47,10 +47,18 @@ class Fed:
     def __init__(self) -> None:
         self.pieces: asyncio.Queue[str | None] = asyncio.Queue()
         self.called = asyncio.Event()
+        self.fed = 0
+        self.handed = 0
 
     def feed(self, *pieces: str) -> None:
         for piece in pieces:
             self.pieces.put_nowait(piece)
+        self.fed += len(pieces)
+
+    async def taken(self) -> None:
+        """Until every piece fed was handed on: the provider waits for the next one, which
+        comes in a read of its own."""
+        await wait_for(lambda: self.handed == self.fed, what="the pieces handed on")
 
     def end(self) -> None:
         self.pieces.put_nowait(None)
@@ -64,6 +72,7 @@ class Fed:
         while (piece := await self.pieces.get()) is not None:
             written.append(piece)
             await on_text(piece, progress.text())
+            self.handed += 1
         return ProviderReply([TextBlock(text="".join(written))], "end_turn", request.model)
 
     async def close(self) -> None:
@@ -166,9 +175,9 @@ async def test_the_first_piece_goes_out_at_once_and_the_window_gathers_the_rest_
     provider.feed("Bom ")
     await deltas(seen, 1)  # not held, whatever the window: the time to the first token
     for piece in ("dia", ", ", "Ana"):  # each after a gap: the provider waits for it
-        await asyncio.sleep(0.01)
+        await provider.taken()
         provider.feed(piece)
-    await asyncio.sleep(0.01)
+    await provider.taken()
     provider.end()
     reply = await finished(seen)
 
@@ -202,7 +211,7 @@ async def test_the_size_bound_cuts_a_delta_without_waiting_for_the_window(
     provider.feed("Bom ")
     await deltas(seen, 1)
     provider.feed("dia, ")
-    await asyncio.sleep(0.01)
+    await provider.taken()
     provider.feed("Ana! ")  # ten characters held: out now
     await deltas(seen, 2)
     provider.feed("Tudo ", "bem?")
@@ -242,9 +251,9 @@ async def test_a_stop_drops_what_is_held_and_nothing_more_is_published(
 
     provider.feed("one ")
     await deltas(seen, 1)
-    await asyncio.sleep(0.01)
+    await provider.taken()
     provider.feed("two ")  # held for the window
-    await asyncio.sleep(0.01)
+    await provider.taken()
     assert cmd.session_id is not None
     stop = CancelTurn(turn_id=cmd.turn_id, project_id=cmd.project_id, session_id=cmd.session_id)
     assert (await call(nc, subjects.LLM_CANCEL, stop, CancelReply)).status == "cancelling"
