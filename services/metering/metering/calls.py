@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 
@@ -43,24 +44,35 @@ def request_of(cmd: LlmTurn, model: str) -> ProviderRequest:
     )
 
 
+@dataclass(frozen=True)
+class Streaming:
+    """What a stream's call needs beside its provider: the bus its deltas go out on, the
+    running turns a cancel reaches, and how its pieces gather into deltas."""
+
+    nc: Client
+    cancels: Cancellations
+    coalescing: Coalescing
+
+
 async def call(
     provider: Provider,
     cmd: LlmTurn,
     request: ProviderRequest,
     progress: Progress,
-    nc: Client,
-    cancels: Cancellations,
-    coalescing: Coalescing,
+    streaming: Streaming,
 ) -> Outcome:
     """Call the provider; a stream publishes its text on its delta subject as it comes."""
     if not isinstance(cmd, LlmStream):
         outcome = await _outcome(provider.complete(request, progress, None), None, cmd.turn_id)
         assert outcome is not None  # only a stream can be stopped
         return outcome
-    publisher = DeltaPublisher(nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id, coalescing)
+    publisher = DeltaPublisher(
+        streaming.nc, cmd.delta_subject, cmd.turn_id, cmd.causation_id, streaming.coalescing
+    )
     task = asyncio.ensure_future(provider.complete(request, progress, publisher))
     # A cancel heard before this point stops the task here, before its first step:
     # the provider is then never called.
+    cancels = streaming.cancels
     publisher.running = cancels.start(cmd.turn_id, cmd.project_id, cmd.session_id, task)
     try:
         outcome = await _outcome(task, publisher, cmd.turn_id)

@@ -39,7 +39,7 @@ from domain.metering_turn import (
     usage_record,
 )
 from metering.beats import beating
-from metering.calls import call, request_of
+from metering.calls import Streaming, call, request_of
 from metering.cancels import Cancellations
 from metering.catalog import Catalog
 from metering.metrics import observe, observe_limits, observe_refusal
@@ -75,7 +75,7 @@ class TurnRunner:
         self.providers = providers if isinstance(providers, Providers) else Providers(providers)
         self._nc = nc
         self.cancels = cancels or Cancellations()
-        self._coalescing = coalescing or Coalescing()
+        self._streaming = Streaming(nc, self.cancels, coalescing or Coalescing())
         self._clock = clock
 
     async def run(self, cmd: LlmTurn) -> TurnReply:
@@ -97,9 +97,7 @@ class TurnRunner:
 
         progress = Progress()
         request = request_of(cmd, binding.model)
-        outcome = await call(
-            provider, cmd, request, progress, self._nc, self.cancels, self._coalescing
-        )
+        outcome = await call(provider, cmd, request, progress, self._streaming)
         crash_point("metering.before_bill")  # the call made, its bill not written
 
         timing = Timing(started, progress.first_token_at, self._clock())
