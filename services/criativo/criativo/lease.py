@@ -14,8 +14,12 @@ session, and takes the session again by updating from that revision. A key someo
 else wrote since (or that expired) no longer matches, and the lease is taken as
 above (`kv.create` reads the marker and writes behind it: three round trips).
 
-That path also tells the holder something: the key was untouched since this replica's
-release, so no other replica held the session meanwhile (`hold` yields True, "resumed").
+Either of two takings also tells the holder that no other replica can have held the
+session lately (`hold` yields True, "alone"): resuming from this replica's own release
+(the key untouched since, so nobody held it in between), and a first taking, a create
+the bucket accepts as the key's first write (no lease, no release marker: no holder
+within the bucket's TTL, which ages out markers as it does leases). So the first input
+of a session is taken in one round trip too, and its log read may go out beside it.
 
 If renewing fails (the TTL ran out during a stall and another replica took over),
 the turn goes on: the log's idempotency keys still keep one response per message,
@@ -65,24 +69,20 @@ class SessionLeases:
         # By session key: the revision of the delete marker this replica's release left.
         self._released: dict[str, int] = {}
 
-    def may_resume(self, session_id: UUID) -> bool:
-        """Whether this replica released the session last it knows, so its next `hold` may
-        be a resumption (one round trip, nobody else held it since)."""
-        return str(session_id) in self._released
-
     @contextlib.asynccontextmanager
     async def hold(self, session_id: UUID) -> AsyncIterator[bool]:
         """Hold the session's lease for the block; waits while another replica holds it.
 
-        Yields whether the lease was resumed: taken from this replica's own release, with
-        no other holder in between."""
+        Yields whether this replica has the session alone: resumed from its own release,
+        or taken where the key had no trace; no other holder since the block was asked
+        for, nor within the TTL before."""
         key = str(session_id)
-        revision, resumed = await self._acquire(key)
+        revision, alone = await self._acquire(key)
         state = {"revision": revision}
         done = asyncio.Event()
         renewer = asyncio.create_task(self._renew(key, state, done))
         try:
-            yield resumed
+            yield alone
         finally:
             # Told to stop, not cancelled: a cancel that lands as a renewal's ack arrives
             # can be swallowed (asyncio.wait_for before Python 3.12, inside nats-py's
@@ -169,11 +169,15 @@ class SessionLeases:
             del self._released[next(iter(self._released))]
 
     async def _acquire(self, key: str) -> tuple[int, bool]:
-        """The lease's revision, and whether it was resumed from our own release."""
+        """The lease's revision, and whether it was taken alone: resumed from our own
+        release, or the key's first write in the bucket (`hold`)."""
         released = self._released.pop(key, None)
         if released is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):  # written since: as below
                 return await self._bucket.update(key, self._instance, last=released), True
+        # Revision 0: the subject holds no message at all, neither a lease nor a release.
+        with contextlib.suppress(KeyWrongLastSequenceError):  # it has one: as below
+            return await self._bucket.update(key, self._instance, last=0), True
         while True:
             try:
                 return await self._bucket.create(key, self._instance), False

@@ -137,22 +137,19 @@ class SessionWork:
             conv = await self.catch_up(conv)
             await self.confirmed(conv, event)  # a forged one is logged and counted
             return conv
-        # The log is read while the lease is taken, when the lease may be resumed, and the
-        # read stands only if it was: no other replica held the session since this one
-        # released it, and all this one wrote under the lease had been written before the
-        # read went out. Otherwise the log is read again, under the lease. This keeps a round
-        # trip off every turn's first token.
-        ahead = self._read_ahead(conv) if self._leases.may_resume(event.session_id) else None
+        # The log is read while the lease is taken, and the read stands only if the lease
+        # was taken alone (`SessionLeases.hold`): no other replica held the session since
+        # this one released it, or within the TTL, and all this one wrote under its last
+        # lease had been written before the read went out (its inputs are handled one at a
+        # time). Otherwise the log is read again, under the lease. This keeps a round trip
+        # off every turn's first token, the session's first turn included.
+        ahead = self._read_ahead(conv)
         try:
-            async with self._leases.hold(event.session_id) as resumed:
-                if ahead is not None and resumed:
-                    conv = await ahead
-                else:
-                    conv = await self.catch_up(conv)
+            async with self._leases.hold(event.session_id) as alone:
+                conv = await ahead if alone else await self.catch_up(conv)
                 return await self._handle_held(conv, event)
         finally:
-            if ahead is not None:
-                ahead.cancel()  # unused, or done
+            ahead.cancel()  # unused, or done
 
     def _read_ahead(self, conv: Conversation) -> asyncio.Task[Conversation]:
         """`catch_up`, started now; if it goes unused, its failure is nobody's."""

@@ -1,6 +1,7 @@
 """The log read that goes out while the lease is taken (issue 12: one round trip off the
-first token) stands only when the lease was resumed: a read taken before another replica
-held the session is read again, so a message that replica answered is not answered twice.
+first token) stands only when the lease was taken alone, resumed from this replica's own
+release or the key's first write: a read taken before another replica held the session
+is read again, so a message that replica answered is not answered twice.
 
 Against the real log, NATS and leases; the two replicas' `SessionWork` are driven here,
 with no Criativo service running, so nothing else takes the session.
@@ -92,6 +93,21 @@ async def message_event(driver: Driver, session: uuid.UUID, text: str) -> Event:
     return next(e for e in await driver.events(session, "chat.message") if e.id == message)
 
 
+async def answer_under_lease(
+    log: SessionLogClient, leases: SessionLeases, session: uuid.UUID, message: uuid.UUID
+) -> None:
+    """Another replica's answer to `message`, appended under that replica's lease."""
+    async with leases.hold(session):
+        await log.append(
+            session,
+            EventType.AGENT_RESPONSE,
+            "agent:criativo",
+            AgentResponse(agent="criativo", text="de B"),
+            causation_id=message,
+            idempotency_key=f"criativo:response:{message}",
+        )
+
+
 async def test_a_read_taken_before_another_replica_held_the_session_is_read_again(
     driver: Driver, nc: Client
 ) -> None:
@@ -103,22 +119,14 @@ async def test_a_read_taken_before_another_replica_held_the_session_is_read_agai
     log, turns = a.log, a.turns
     b_leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
     conv = await a.work.catch_up(Conversation(session))
-    async with a_leases.hold(session) as resumed:  # A released it last: it may resume
-        assert not resumed
+    async with a_leases.hold(session):  # A released it last: it may resume
+        pass
     event = await message_event(driver, session, "oi")
     message = event.id
 
     async def b_answers_after_a_read() -> None:
         await asyncio.wait_for(log.read.wait(), 30)  # A's read went out ahead of its lease
-        async with b_leases.hold(session):
-            await log.append(
-                session,
-                EventType.AGENT_RESPONSE,
-                "agent:criativo",
-                AgentResponse(agent="criativo", text="de B"),
-                causation_id=message,
-                idempotency_key=f"criativo:response:{message}",
-            )
+        await answer_under_lease(log, b_leases, session, message)
 
     log.read.clear()
     a_leases.before = b_answers_after_a_read
@@ -141,10 +149,66 @@ async def test_a_resumed_lease_answers_on_the_one_read_that_went_out_with_it(
     first = await message_event(driver, session, "um")
     conv = await a.work.handle(conv, first, deliveries=1)  # takes the lease anew
     second = await message_event(driver, session, "dois")
-    assert a.leases.may_resume(session)
     reads = a.log.reads
     conv = await a.work.handle(conv, second, deliveries=1)
 
     assert a.log.reads == reads + 1  # the read sent ahead stood: the lease was resumed
     assert a.turns.answered == [first.id, second.id]
     assert first.id in conv.answered  # the read saw the first answer
+
+
+async def test_a_sessions_first_turn_answers_on_the_read_that_went_out_beside_its_lease(
+    driver: Driver, nc: Client
+) -> None:
+    """No replica ever held the session: the lease is its key's first write, so the read
+    sent before it was asked for stands, and the turn waits for one round trip, not two."""
+    session = await driver.open()
+    leases = LateLeases(
+        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET), "replica-a"
+    )
+    a = await replica(driver, nc, leases)
+    conv = await a.work.catch_up(Conversation(session))
+    event = await message_event(driver, session, "oi")
+
+    async def read_first() -> None:
+        await asyncio.wait_for(a.log.read.wait(), 30)  # sent before the lease is taken
+
+    a.log.read.clear()
+    reads = a.log.reads
+    leases.before = read_first
+    await a.work.handle(conv, event, deliveries=1)
+
+    assert a.log.reads == reads + 1  # the read sent ahead stood: nobody held it before
+    assert a.turns.answered == [event.id]
+    responses = await driver.events(session, "agent.response")
+    assert [e.causation_id for e in responses] == [event.id]
+
+
+async def test_a_read_taken_before_another_replica_first_held_the_session_is_read_again(
+    driver: Driver, nc: Client
+) -> None:
+    """B takes the session for the first time, answers and releases it while A's read is
+    out: A's lease is no first write any more (B's release marker is there), so A reads
+    again and leaves B's answer the only one."""
+    session = await driver.open()
+    a_leases = LateLeases(
+        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET), "replica-a"
+    )
+    a = await replica(driver, nc, a_leases)
+    b_leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
+    conv = await a.work.catch_up(Conversation(session))
+    event = await message_event(driver, session, "oi")
+    message = event.id
+
+    async def b_answers_after_a_read() -> None:
+        await asyncio.wait_for(a.log.read.wait(), 30)
+        await answer_under_lease(a.log, b_leases, session, message)
+
+    a.log.read.clear()
+    a_leases.before = b_answers_after_a_read
+    conv = await a.work.handle(conv, event, deliveries=1)
+
+    assert a.turns.answered == []
+    responses = await driver.events(session, "agent.response")
+    assert [e.causation_id for e in responses] == [message]
+    assert message in conv.answered
