@@ -10,7 +10,11 @@ its run before the provider is called (docs/decisions/0006-limits-in-the-reserva
   save, COMMIT: four round trips), the way a replica that does not know the run's row
   reserves;
 - one statement: `hold_if_unchanged` on the row as this replica last wrote it (the run's
-  previous turn), what metering does on its hot path.
+  previous turn), the run's part of what metering does on its hot path.
+
+The whole reservation, with the limits in force (the seeded defaults):
+- baseline: the run's hold and the limits' in a transaction (BEGIN, hold, limits, COMMIT);
+- one statement: `reserve_whole_in`, what metering does on its hot path.
 
 The bill, after the call: the usage row, the settled hold and the run's spend.
 - baseline: a bare INSERT of the usage row alone (autocommit: one round trip), the floor
@@ -19,8 +23,8 @@ The bill, after the call: the usage row, the settled hold and the run's spend.
   step by step (BEGIN, lock the run, insert, settle, save, COMMIT).
 
 Interleaved rounds, so both ways see the same machine; latency and CPU ms per operation
-(this process and Postgres). Exits non-zero when the reservation's one statement is not
-cheaper than the locked transaction, or the bill costs over 2.5 bare inserts.
+(this process and Postgres). Exits non-zero when a reservation's one statement is not
+cheaper than its transaction, or the bill costs over 2.5 bare inserts.
 
     .venv/bin/python bench/budget_hold.py
 """
@@ -53,10 +57,16 @@ from benchkit import (
     percentile,
     servers,
 )
-from contracts.metering import TextBlock, TokenUsage, TurnReply
+from contracts.metering import ChatMessage, LlmTurn, TextBlock, TokenUsage, TurnReply
 from domain.metering import RunBudget, reserve
-from domain.metering_turn import UsageRecord
-from metering.budgets import StoredRun
+from domain.metering_turn import Hold, UsageRecord
+from metering.budgets import (
+    BudgetTransaction,
+    HeldCall,
+    StoredRun,
+    hold_if_unchanged_in,
+    reserve_whole_in,
+)
 from metering.repository import MeteringRepository
 from servicekit.db import create_pool, migrate
 
@@ -99,6 +109,25 @@ def timed(times: list[float], started: float) -> None:
     times.append((time.perf_counter() - started) * 1000)
 
 
+# Holds one turn (its id) on the run's row as seen (None: no row yet) with the run's new
+# figures; the row's new version.
+HoldOnce = Callable[[str, StoredRun | None, RunBudget], Awaitable[int | None]]
+
+
+async def turns_of(run_id: str, times: list[float], hold: HoldOnce) -> None:
+    """`TURNS_PER_RUN` turns of the run one after another, each held by `hold` on the row
+    as the turn before wrote it (what a replica that wrote the run last does); times each."""
+    seen: StoredRun | None = None
+    for _ in range(TURNS_PER_RUN):
+        turn_id = uuid.uuid4().hex
+        started = time.perf_counter()
+        run = reserve(seen.budget if seen else RunBudget(None, 0, 0), HOLD, run_id)
+        version = await hold(turn_id, seen, run)
+        assert version is not None, "only this bench writes these runs"
+        seen = StoredRun(run, version)
+        timed(times, started)
+
+
 async def reservations(
     pool: asyncpg.Pool, repo: MeteringRepository
 ) -> tuple[list[str], dict[str, list[float]]]:
@@ -115,20 +144,60 @@ async def reservations(
             timed(times, started)
 
     async def remembered(run_id: str, prepared: None, times: list[float]) -> None:
-        seen: StoredRun | None = None
-        for _ in range(TURNS_PER_RUN):
-            started = time.perf_counter()
-            run = reserve(seen.budget if seen else RunBudget(None, 0, 0), HOLD, run_id)
-            version = await repo.hold_if_unchanged(run_id, uuid.uuid4().hex, HOLD, seen, run)
-            assert version is not None, "only this bench writes these runs"
-            seen = StoredRun(run, version)
-            timed(times, started)
+        async def hold(turn_id: str, seen: StoredRun | None, run: RunBudget) -> int | None:
+            return await repo.hold_if_unchanged(run_id, turn_id, HOLD, seen, run)
+
+        await turns_of(run_id, times, hold)
 
     async def nothing(run_id: str) -> None:
         return None
 
     ways: dict[str, Way] = {"locked": locked, "one statement": remembered}
     return await interleaved(pool, "reservation", ways, nothing)
+
+
+def bench_turn(run_id: str, turn_id: str) -> LlmTurn:
+    """A turn of `run_id`, for a project and a person of its own: counters far from limits."""
+    return LlmTurn(run_id=run_id, turn_id=turn_id, agent_slug="bench", project_id=run_id,
+                   person=run_id, messages=[ChatMessage(role="user", content="oi")],
+                   max_tokens=100)  # fmt: skip
+
+
+async def whole_reservations(
+    pool: asyncpg.Pool, repo: MeteringRepository
+) -> tuple[list[str], dict[str, list[float]]]:
+    """A turn's whole reservation on a run this replica wrote last, with the limits in force
+    (the seeded defaults: the project's and the person's), both ways: the run's hold and
+    then the limits' in a transaction (BEGIN, the hold, the limits, COMMIT: four round
+    trips, the baseline), and `reserve_whole_in`, one statement, what metering does."""
+    hold = Hold(HOLD, 200, "bench")
+    call = HeldCall("bench", "stream", "scripted", "claude-sonnet-4-6", "bench", None)
+
+    async def in_transaction(run_id: str, prepared: None, times: list[float]) -> None:
+        async def hold_all(turn_id: str, seen: StoredRun | None, run: RunBudget) -> int | None:
+            cmd = bench_turn(run_id, turn_id)
+            async with pool.acquire() as conn, conn.transaction():
+                version = await hold_if_unchanged_in(conn, run_id, turn_id, HOLD, seen, run)
+                refused = await BudgetTransaction(conn).hold_limits(
+                    turn_id, cmd.project_id, cmd.person, hold.micros, hold.tokens, hold.owner,
+                    call,
+                )  # fmt: skip
+                assert not refused
+            return version
+
+        await turns_of(run_id, times, hold_all)
+
+    async def whole(run_id: str, prepared: None, times: list[float]) -> None:
+        async def hold_all(turn_id: str, seen: StoredRun | None, run: RunBudget) -> int | None:
+            return await reserve_whole_in(pool, bench_turn(run_id, turn_id), hold, call, seen, run)
+
+        await turns_of(run_id, times, hold_all)
+
+    async def nothing(run_id: str) -> None:
+        return None
+
+    ways: dict[str, Way] = {"transaction": in_transaction, "one statement": whole}
+    return await interleaved(pool, "reservation with the limits", ways, nothing)
 
 
 def usage_row(turn_id: str, run_id: str) -> UsageRecord:
@@ -197,6 +266,7 @@ async def measure(database_url: str) -> tuple[list[str], Goals]:
     goals = Goals()
     try:
         reserving, reserved = await reservations(pool, repo)
+        limiting, limited = await whole_reservations(pool, repo)
         billing, billed = await bills(pool, repo)
     finally:
         await pool.close()
@@ -206,9 +276,11 @@ async def measure(database_url: str) -> tuple[list[str], Goals]:
 
     goals.at_most("reservation: one statement's p50 ÷ the locked transaction's",
                   ratio(reserved, "one statement", "locked"), 1.0)  # fmt: skip
+    goals.at_most("reservation with the limits: one statement's p50 ÷ the transaction's",
+                  ratio(limited, "one statement", "transaction"), 1.0)  # fmt: skip
     goals.at_most("bill: one statement's p50 ÷ a bare insert's",
                   ratio(billed, "one statement", "bare insert"), BILL_GOAL_RATIO)  # fmt: skip
-    return [*reserving, *billing], goals
+    return [*reserving, *limiting, *billing], goals
 
 
 async def run() -> int:

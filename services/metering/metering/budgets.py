@@ -4,16 +4,37 @@ are composed from fixed text only."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import asyncpg
 
-from contracts.metering import LimitUse
+from contracts.metering import LimitUse, LlmTurn
 from domain.metering import RunBudget, window_end
-from domain.metering_turn import turn_id_reused
+from domain.metering_turn import Hold, turn_id_reused
 from servicekit.db import Connection
+
+
+def _run_written(seen_version: str | None) -> str:
+    """The `run` CTE: the run's new figures, written only on the row as the caller saw it,
+    at version `seen_version` (a parameter, e.g. "$7"), or (None) as a new row, unless
+    someone created it meanwhile; returns the row's new version."""
+    if seen_version is None:
+        return """run AS (
+       INSERT INTO run_budgets (run_id, budget_micros, spent_micros, reserved_micros, version)
+       VALUES ($2, $4, $5, $6, 1)
+       ON CONFLICT (run_id) DO NOTHING RETURNING version)"""
+    return f"""run AS (
+       UPDATE run_budgets SET budget_micros = $4, spent_micros = $5, reserved_micros = $6,
+              version = version + 1, updated_at = now()
+        WHERE run_id = $2 AND version = {seen_version}
+          AND NOT EXISTS (SELECT 1 FROM budget_holds WHERE turn_id = $1)
+       RETURNING version)"""
+
 
 # The compare-and-set reservations (`MeteringRepository.hold_if_unchanged`): a `run` CTE
 # writes the run's row only if it is as the caller saw it ($1 turn, $2 run, $3 hold, $4-$6
@@ -26,23 +47,9 @@ _CLAIM_AFTER_RUN = """,
        ON CONFLICT (turn_id) DO NOTHING RETURNING true)
    SELECT (SELECT version FROM run) AS version, EXISTS (SELECT 1 FROM claim) AS claimed"""
 # The run's first turn: the row is created, unless someone created it meanwhile.
-HOLD_ON_NEW_RUN = (
-    """WITH run AS (
-       INSERT INTO run_budgets (run_id, budget_micros, spent_micros, reserved_micros, version)
-       VALUES ($2, $4, $5, $6, 1)
-       ON CONFLICT (run_id) DO NOTHING RETURNING version)"""
-    + _CLAIM_AFTER_RUN
-)
+HOLD_ON_NEW_RUN = "WITH " + _run_written(None) + _CLAIM_AFTER_RUN
 # A run whose row the caller saw at version $7.
-HOLD_ON_SEEN_RUN = (
-    """WITH run AS (
-       UPDATE run_budgets SET budget_micros = $4, spent_micros = $5, reserved_micros = $6,
-              version = version + 1, updated_at = now()
-        WHERE run_id = $2 AND version = $7
-          AND NOT EXISTS (SELECT 1 FROM budget_holds WHERE turn_id = $1)
-       RETURNING version)"""
-    + _CLAIM_AFTER_RUN
-)
+HOLD_ON_SEEN_RUN = "WITH " + _run_written("$7") + _CLAIM_AFTER_RUN
 
 
 def _limits_in_force(project: str, person: str, amount: str, tokens: str) -> str:
@@ -80,18 +87,39 @@ def _limits_in_force(project: str, person: str, amount: str, tokens: str) -> str
 # holds and for whom ($6: `domain.metering_turn.owner_of`), and the replica and the call it
 # holds for ($7-$12: `HeldCall`). The caller's transaction is
 # rolled back when any counter refused: a call holds on all of them or on none.
-HOLD_LIMITS = (
-    "WITH"
-    + _limits_in_force("$2", "$3", "$4", "$5")
-    + """,
+def _counters_held(condition: str) -> str:
+    """The `held` CTE: the `wanted` counters the call fits under, held (`condition`: SQL
+    that must also be true, e.g. that the turn was claimed)."""
+    return f""",
    held AS (
        INSERT INTO usage_counters AS c (scope, name, metric, win, starts, held, "limit")
-       SELECT scope, name, metric, win, starts, amount, lim FROM wanted WHERE amount <= lim
+       SELECT scope, name, metric, win, starts, amount, lim FROM wanted
+        WHERE amount <= lim AND {condition}
         ORDER BY scope, name, metric, win
        ON CONFLICT (scope, name, metric, win, starts) DO UPDATE
           SET held = c.held + EXCLUDED.held, "limit" = EXCLUDED."limit"
         WHERE c.used + c.held + EXCLUDED.held <= EXCLUDED."limit"
-       RETURNING scope, metric, win),
+       RETURNING scope, metric, win)"""
+
+
+# Each limit's counter as the statement's snapshot shows it, and whether the call was held
+# on it (`held`).
+_COUNTERS_SEEN = """
+   SELECT w.scope, w.name, w.metric, w.win, w.starts, w.lim AS "limit", w.amount,
+          coalesce(u.used, 0) AS used, coalesce(u.held, 0) AS held,
+          EXISTS (SELECT 1 FROM held h
+                   WHERE (h.scope, h.metric, h.win) = (w.scope, w.metric, w.win)) AS admitted
+     FROM wanted w
+     LEFT JOIN usage_counters u USING (scope, name, metric, win, starts)"""
+# The order the counters are locked in, and refusals told.
+_LOCK_ORDER = """
+    ORDER BY scope, metric, win"""
+
+HOLD_LIMITS = (
+    "WITH"
+    + _limits_in_force("$2", "$3", "$4", "$5")
+    + _counters_held("true")
+    + """,
    noted AS (
        UPDATE budget_holds
           SET project_id = $2, person = $3, tokens_held = $5, owner = $6,
@@ -99,15 +127,67 @@ HOLD_LIMITS = (
                             FROM held),
               replica = $7, kind = $8, provider = $9, model = $10, agent_slug = $11,
               session_id = $12
-        WHERE turn_id = $1)
-   SELECT w.scope, w.name, w.metric, w.win, w.starts, w.lim AS "limit", w.amount,
-          coalesce(u.used, 0) AS used, coalesce(u.held, 0) AS held,
-          EXISTS (SELECT 1 FROM held h
-                   WHERE (h.scope, h.metric, h.win) = (w.scope, w.metric, w.win)) AS admitted
-     FROM wanted w
-     LEFT JOIN usage_counters u USING (scope, name, metric, win, starts)
-    ORDER BY w.scope, w.metric, w.win"""
+        WHERE turn_id = $1)"""
+    + _COUNTERS_SEEN
+    + _LOCK_ORDER
 )
+
+
+def reserve_whole(seen_version: str | None) -> str:
+    """A turn's whole reservation in one statement, on the run's row as the caller saw it
+    (`_run_written`): the run's hold, the turn's claim noting what it holds and for whom,
+    and its share on every limit in force, which `HOLD_LIMITS` takes in a transaction of
+    its own. A statement is one transaction, so one round trip: the reservation on the
+    path of every first token. Nothing is claimed or held unless the run's row was as
+    seen and the turn id free (version NULL: decide again under the row's lock). All or
+    nothing: a limit the call does not fit under, or a turn id claimed under another run
+    ($1), makes `reservation_whole` (migration 0007) raise, undoing the statement; the
+    first refusing limit's counter (`_COUNTERS_SEEN`) is the error's detail.
+
+    $1 turn, $2 run, $3 hold, $4-$6 the run's new budget, spent and reserved, $7 project,
+    $8 person, $9 tokens held, $10 owner, $11-$16 the call (`HeldCall`), `seen_version`."""
+    return (
+        "WITH "
+        + _run_written(seen_version)
+        + ","
+        + _limits_in_force("$7", "$8", "$3", "$9")
+        + """,
+   claim AS (
+       INSERT INTO budget_holds (turn_id, run_id, hold_micros, project_id, person,
+                                 tokens_held, owner, counters, replica, kind, provider,
+                                 model, agent_slug, session_id)
+       SELECT $1, $2, $3, $7, $8, $9, $10,
+              (SELECT coalesce(array_agg(scope || '/' || metric || '/' || win), '{}')
+                 FROM wanted),
+              $11, $12, $13, $14, $15, $16
+         FROM run
+       ON CONFLICT (turn_id) DO NOTHING RETURNING true)"""
+        + _counters_held("EXISTS (SELECT 1 FROM claim)")
+        + """,
+   refused AS (
+       SELECT * FROM ("""
+        + _COUNTERS_SEEN
+        + """) c
+        WHERE NOT admitted AND EXISTS (SELECT 1 FROM claim)"""
+        + _LOCK_ORDER
+        + """
+        LIMIT 1)
+   SELECT (SELECT version FROM run) AS version,
+          reservation_whole(
+              CASE WHEN EXISTS (SELECT 1 FROM run) AND NOT EXISTS (SELECT 1 FROM claim)
+                   THEN 'turn_id_reused'
+                   WHEN EXISTS (SELECT 1 FROM refused) THEN 'limit_refused' END,
+              (SELECT row_to_json(refused)::text FROM refused)) AS whole"""
+    )
+
+
+# The reservation in one statement, on a run without a row yet, and on a row seen at
+# version $17.
+RESERVE_ON_NEW_RUN = reserve_whole(None)
+RESERVE_ON_SEEN_RUN = reserve_whole("$17")
+# The reasons `reservation_whole` raises with (its error's message).
+TURN_ID_REUSED = "turn_id_reused"
+LIMIT_REFUSED = "limit_refused"
 
 # What the limits in force have used in the windows open now.
 LIMITS_STATUS = (
@@ -163,6 +243,11 @@ class HeldCall:
     agent_slug: str
     session_id: UUID | None
 
+    def noted(self) -> tuple[str | None, str, str, str, str, UUID | None]:
+        """What the hold notes of the call, in the columns' order."""
+        return (self.replica, self.kind, self.provider, self.model, self.agent_slug,
+                self.session_id)  # fmt: skip
+
 
 # The usage row of a hold settled without its call's bill (its replica died): billed at
 # the hold, the call's worst case, since what it really used died with the replica.
@@ -204,7 +289,7 @@ REMEMBERED_RUNS = 10_000
 class RememberedRuns:
     """Run rows as this replica last wrote them, by run id, least recently written first:
     a run's next turn is decided on its row and written in one statement if the row is
-    still the same (`hold_if_unchanged_in`); only the most recent runs are kept."""
+    still the same (`reserve_whole_in`); only the most recent runs are kept."""
 
     def __init__(self, size: int = REMEMBERED_RUNS) -> None:
         self._size = size
@@ -269,7 +354,51 @@ async def hold_if_unchanged_in(
     return version
 
 
-def limit_use(row: asyncpg.Record) -> LimitUse:
+class LimitRefused(Exception):
+    """Undoes a reservation: a limit the turn does not fit under refused it."""
+
+    def __init__(self, use: LimitUse) -> None:
+        super().__init__(use)
+        self.use = use
+
+
+async def reserve_whole_in(
+    conn: Connection | asyncpg.Pool,
+    cmd: LlmTurn,
+    hold: Hold,
+    call: HeldCall,
+    seen: StoredRun | None,
+    run: RunBudget,
+) -> int | None:
+    """The turn's whole reservation (`reserve_whole`) on the run's row as `seen` (None: it
+    had no row); the row's new version, or None when nothing was written (the row is no
+    longer as seen, or the turn id is claimed). Raises `LimitRefused` and
+    `turn_id_reused`, having written nothing."""
+    figures = (cmd.turn_id, cmd.run_id, hold.micros, run.budget, run.spent, run.reserved,
+               cmd.project_id, cmd.person, hold.tokens, hold.owner, *call.noted())  # fmt: skip
+    try:
+        if seen is None:
+            row = await conn.fetchrow(RESERVE_ON_NEW_RUN, *figures)
+        else:
+            row = await conn.fetchrow(RESERVE_ON_SEEN_RUN, *figures, seen.version)
+    except asyncpg.exceptions.RaiseError as exc:
+        if exc.message == TURN_ID_REUSED:
+            raise turn_id_reused(cmd.turn_id) from None
+        if exc.message == LIMIT_REFUSED:
+            raise LimitRefused(refused_limit(exc.detail or "")) from None
+        raise
+    assert row is not None
+    version: int | None = row["version"]
+    return version
+
+
+def refused_limit(detail: str) -> LimitUse:
+    """The limit `reservation_whole` refused a turn on, from its error's detail."""
+    row = json.loads(detail)
+    return limit_use({**row, "starts": datetime.fromisoformat(row["starts"])})
+
+
+def limit_use(row: asyncpg.Record | Mapping[str, Any]) -> LimitUse:
     """A limit in force and its open window's use, as `_limits_in_force`'s rows give it."""
     return LimitUse(
         scope=row["scope"],
@@ -289,12 +418,6 @@ class BudgetTransaction:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
-    async def hold_if_unchanged(
-        self, run_id: str, turn_id: str, amount: int, seen: StoredRun | None, run: RunBudget
-    ) -> int | None:
-        """`hold_if_unchanged_in` inside this transaction (the limits are held after it)."""
-        return await hold_if_unchanged_in(self._conn, run_id, turn_id, amount, seen, run)
-
     async def hold_limits(
         self,
         turn_id: str,
@@ -309,11 +432,7 @@ class BudgetTransaction:
         noting `call` on the hold; the limits it did not fit under (then nothing may be
         committed: the caller rolls back). The turn's hold must be claimed in this
         transaction first."""
-        noted = (
-            (call.replica, call.kind, call.provider, call.model, call.agent_slug, call.session_id)
-            if call is not None
-            else (None,) * 6
-        )
+        noted = call.noted() if call is not None else (None,) * 6
         rows = await self._conn.fetch(
             HOLD_LIMITS, turn_id, project_id, person, amount, tokens, owner, *noted
         )

@@ -37,10 +37,12 @@ from metering.budgets import (
     BudgetTransaction,
     CounterUse,
     HeldCall,
+    LimitRefused,
     RememberedRuns,
     StoredRun,
     hold_if_unchanged_in,
     limit_use,
+    reserve_whole_in,
     settle_counters,
     stored_run_of,
 )
@@ -57,14 +59,6 @@ class Reservation:
 
     claimed: bool
     refused: LimitUse | None = None
-
-
-class _LimitRefused(Exception):
-    """Rolls a reservation back: a limit the turn does not fit under refused it."""
-
-    def __init__(self, use: LimitUse) -> None:
-        super().__init__(use)
-        self.use = use
 
 
 @dataclass(frozen=True)
@@ -137,52 +131,56 @@ class MeteringRepository:
         `provider`'s `model` (`HeldCall`), for a survivor to bill should this replica die.
 
         The run's row first, then the limits' counters (the order a bill and the sweeper
-        lock them in too). On the run, in one statement when this replica knows its row as
-        it last wrote it (the run's previous turn): the decision is taken on that row and
-        written only if the row is still the same (`hold_if_unchanged_in`). A row someone
-        else changed, or a turn that does not fit what this replica saw, is decided again
-        under the row lock, on the row as it is. A limit the turn does not fit under
-        refuses it, and nothing of the transaction is kept.
+        lock them in too). In one statement when this replica knows the run's row as it
+        last wrote it (the run's previous turn), or reads it first: the decision is taken
+        on that row, and the hold, the claim and the counters are written only if the row
+        is still the same (`reserve_whole_in`). A row someone else changed, or a turn that
+        does not fit what this replica saw, is decided again under the row lock, on the
+        row as it is. A limit the turn does not fit under refuses it, and nothing of the
+        reservation is kept.
         """
+        call = HeldCall(
+            self.replica,
+            "stream" if isinstance(cmd, LlmStream) else "turn",
+            provider,
+            model,
+            cmd.agent_slug,
+            cmd.session_id,
+        )
         seen = self._runs.get(cmd.run_id)
         if seen is None:
             seen = await self.stored_run(cmd.run_id)
+        run = reserved_if_fits(seen.budget if seen else None, cmd, hold.micros)
         try:
-            async with self.transaction() as tx:
-                run = reserved_if_fits(seen.budget if seen else None, cmd, hold.micros)
-                version = None
-                if run is not None:
-                    version = await tx.hold_if_unchanged(
-                        cmd.run_id, cmd.turn_id, hold.micros, seen, run
-                    )
-                if run is None or version is None:
-                    self._runs.forget(cmd.run_id)
-                    stored = await tx.lock_stored_run(cmd.run_id)
-                    run = reserved(stored.budget, cmd, hold.micros)
-                    version = await tx.hold(cmd.run_id, cmd.turn_id, hold.micros, run)
-                    if version is None:
-                        return Reservation(claimed=False)
-                call = HeldCall(
-                    self.replica,
-                    "stream" if isinstance(cmd, LlmStream) else "turn",
-                    provider,
-                    model,
-                    cmd.agent_slug,
-                    cmd.session_id,
-                )
-                refused = await tx.hold_limits(
-                    cmd.turn_id,
-                    cmd.project_id,
-                    cmd.person,
-                    hold.micros,
-                    hold.tokens,
-                    hold.owner,
-                    call,
-                )
-                if refused:
-                    raise _LimitRefused(refused[0])
-        except _LimitRefused as refusal:
+            if run is not None:
+                version = await reserve_whole_in(self._pool, cmd, hold, call, seen, run)
+                if version is not None:
+                    self._runs.remember(cmd.run_id, StoredRun(run, version))
+                    return Reservation(claimed=True)
+            return await self._reserve_locked(cmd, hold, call)
+        except LimitRefused as refusal:
             return Reservation(claimed=True, refused=refusal.use)
+
+    async def _reserve_locked(self, cmd: LlmTurn, hold: Hold, call: HeldCall) -> Reservation:
+        """`reserve` under the run's row lock, on the row as it is (a transaction)."""
+        self._runs.forget(cmd.run_id)
+        async with self.transaction() as tx:
+            stored = await tx.lock_stored_run(cmd.run_id)
+            run = reserved(stored.budget, cmd, hold.micros)
+            version = await tx.hold(cmd.run_id, cmd.turn_id, hold.micros, run)
+            if version is None:
+                return Reservation(claimed=False)
+            refused = await tx.hold_limits(
+                cmd.turn_id,
+                cmd.project_id,
+                cmd.person,
+                hold.micros,
+                hold.tokens,
+                hold.owner,
+                call,
+            )
+            if refused:
+                raise LimitRefused(refused[0])  # rolls the transaction back
         self._runs.remember(cmd.run_id, StoredRun(run, version))
         return Reservation(claimed=True)
 

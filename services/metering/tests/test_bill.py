@@ -16,20 +16,17 @@ from domain.metering import RunBudget
 from domain.metering_turn import UsageRecord
 from metering.repository import MeteringRepository
 from metering.sweeper import sweep_once
-from servicekit.db import KIT_MIGRATIONS, create_pool, migrate
 from testkit.probes import wait_for
+
+from .conftest import migrated_pool
 
 BUDGET, HOLD = 100_000, 1_000
 
 
 @pytest_asyncio.fixture
 async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
-    pool: asyncpg.Pool = await create_pool(database_url, "metering")
-    try:
-        await migrate(pool, "metering", [KIT_MIGRATIONS, "metering.migrations"])
+    async with migrated_pool(database_url) as pool:
         yield pool
-    finally:
-        await pool.close()
 
 
 @pytest.fixture
