@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import anthropic
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from contracts import subjects
 from contracts.common import ErrorCode
@@ -19,13 +28,15 @@ from contracts.metering import (
     LlmStream,
     TextBlock,
     TokenUsage,
+    ToolResultBlock,
+    ToolSpec,
     ToolUseBlock,
     TurnDelta,
     TurnReply,
 )
 from domain.metering import cost_micros
 from metering.app import build_provider
-from metering.providers.anthropic import AnthropicProvider
+from metering.providers.anthropic import AnthropicProvider, build_params
 from metering.providers.base import Progress, ProviderError, ProviderRequest
 from metering.settings import MeteringSettings
 from servicekit.client import call
@@ -469,6 +480,162 @@ async def test_a_streamed_reply_builds_no_sdk_model_per_event(
     await llm.close()
     assert reply.content == [TextBlock(text="a b c")]
     assert built == []
+
+
+def conversation(turns: int, model: str = "claude-sonnet-4-6") -> ProviderRequest:
+    """A turn carrying what a request can: a system prompt, a tool, text and tool blocks
+    (tool_use, tool_result), text beyond ASCII, and `turns` exchanges of history before the
+    person's last message (both cache breakpoints)."""
+    history: list[ChatMessage] = []
+    for i in range(turns):
+        history += [
+            ChatMessage(role="user", content=f"Pão de queijo até às 17h? ({i})"),
+            ChatMessage(
+                role="assistant",
+                content=[
+                    TextBlock(text="Recording it ✓"),
+                    ToolUseBlock(id=f"toolu_{i}", name="emit_artifact", input={"title": "Hours"}),
+                ],
+            ),
+            ChatMessage(
+                role="user", content=[ToolResultBlock(tool_use_id=f"toolu_{i}", content="saved")]
+            ),
+            ChatMessage(role="assistant", content="Saved. What else?"),
+        ]
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}}
+    return ProviderRequest(
+        model=model,
+        agent_slug="criativo",
+        system="You are Criativo. Açúcar, café.",
+        messages=[*history, ChatMessage(role="user", content="Orders close at 18h.")],
+        tools=[ToolSpec(name="emit_artifact", description="Record it.", input_schema=schema)],
+        max_tokens=500,
+    )
+
+
+def a_reply(streams: bool) -> Reply:
+    if streams:
+        return streamed(message_start(5), text_block(0, ["ok"]), message_delta(1), MESSAGE_STOP)
+    return Reply(body=message_body("ok", 5, 1))
+
+
+# The headers the Messages API reads; the SDK's others (its version, the platform) are
+# its own business.
+HEADERS_READ = ("x-api-key", "authorization", "anthropic-version", "content-type")
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["stream", "whole"])
+async def test_the_request_sent_is_the_one_the_sdks_create_writes_for_it(
+    fake: FakeMessagesApi, streams: bool
+) -> None:
+    request = conversation(2)
+    fake.replies.extend([a_reply(streams), a_reply(streams)])
+    llm = provider(fake)
+    await llm.complete(request, Progress(), Texts() if streams else None)
+    await llm.close()
+    ours = fake.requests[-1]
+
+    sdk = anthropic.AsyncAnthropic(api_key="test-key", base_url=fake.base_url, max_retries=0)
+    if streams:
+        async for _ in await sdk.messages.create(**build_params(request), stream=True):
+            pass
+    else:
+        await sdk.messages.create(**build_params(request))
+    await sdk.close()
+    theirs = fake.requests[-1]
+
+    assert ours.path == theirs.path == "/v1/messages"
+    assert ours.body == theirs.body
+    assert [ours.headers.get(h) for h in HEADERS_READ] == [
+        theirs.headers.get(h) for h in HEADERS_READ
+    ]
+    # The same length too: written as compactly, its text as UTF-8 (not \u escapes).
+    assert ours.headers["content-length"] == theirs.headers["content-length"]
+
+
+async def sdk_calls(package_file: str, work: Awaitable[Any]) -> int:
+    """How many Python function calls were made inside a package's files while `work`
+    ran (a coroutine resumed after an await is the same call; the fake, in this thread
+    too, is in no package's files)."""
+    root = str(Path(package_file).parent)
+    called: dict[int, FrameType] = {}  # held, so that no frame's id is reused meanwhile
+
+    def hook(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            called[id(frame)] = frame
+
+    sys.setprofile(hook)
+    try:
+        await work
+    finally:
+        sys.setprofile(None)
+    return len(called)
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["stream", "whole"])
+async def test_the_sdks_work_for_a_call_does_not_grow_with_the_conversation(
+    fake: FakeMessagesApi, streams: bool
+) -> None:
+    # A burst of turns starting at once pays each call's start one after another: the
+    # SDK walking and copying the whole conversation (and then writing it) on every
+    # call made a long conversation's turn start later. The body is handed over written.
+    llm = provider(fake)
+    fake.replies.append(a_reply(streams))
+    # The first call's one-time work (the platform's name, lazy imports) is not counted.
+    await llm.complete(conversation(1), Progress(), Texts() if streams else None)
+    counts = []
+    for turns in (1, 40):
+        fake.replies.append(a_reply(streams))
+        call = llm.complete(conversation(turns), Progress(), Texts() if streams else None)
+        counts.append(await sdk_calls(anthropic.__file__, call))
+    await llm.close()
+    assert counts[0] > 0  # the SDK sent both
+    assert counts[1] == counts[0]
+
+
+@pytest.fixture(scope="module")
+def spans() -> Iterator[InMemorySpanExporter]:
+    yield from recorded_spans()
+
+
+def recorded_spans() -> Iterator[InMemorySpanExporter]:
+    """Spans recorded in memory, through the process's one tracer provider (tracing on).
+
+    OpenTelemetry lets the global provider be set once per process, so it is set here
+    only if nothing set an SDK provider before; the processor is shut down afterwards,
+    which leaves later tests' spans unrecorded.
+    """
+    memory = InMemorySpanExporter()
+    processor = SimpleSpanProcessor(memory)
+    tracer_provider = trace.get_tracer_provider()
+    if not isinstance(tracer_provider, TracerProvider):
+        tracer_provider = TracerProvider()
+        trace.set_tracer_provider(tracer_provider)
+    tracer_provider.add_span_processor(processor)
+    yield memory
+    processor.shutdown()
+
+
+def traceparent_of(span: ReadableSpan) -> str:
+    context = span.get_span_context()
+    assert context is not None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+async def test_a_call_is_one_span_and_the_provider_hears_its_trace_context(
+    fake: FakeMessagesApi, spans: InMemorySpanExporter
+) -> None:
+    # A trace shows a provider call once, with the usage it was billed for; a provider
+    # that joins traces hangs its own under that span.
+    spans.clear()
+    fake.replies.append(a_reply(True))
+    llm = provider(fake)
+    await llm.complete(REQUEST, Progress(), Texts())
+    await llm.close()
+    (call_span,) = spans.get_finished_spans()
+    assert (call_span.name, call_span.kind) == ("chat claude-sonnet-4-6", SpanKind.CLIENT)
+    assert (call_span.attributes or {})["gen_ai.usage.output_tokens"] == 1
+    assert fake.requests[-1].headers["traceparent"] == traceparent_of(call_span)
 
 
 class CountingFake(FakeMessagesApi):
