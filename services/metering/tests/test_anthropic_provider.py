@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -15,9 +16,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -52,8 +51,10 @@ from testkit.fake_messages_api import (
     text_block,
     tool_block,
 )
+from testkit.fake_sse import Recorded
 from testkit.metering import Starter
 from testkit.probes import subscribed, wait_for
+from testkit.spans import recorded_spans
 
 from .test_metering_service import SONNET
 
@@ -544,12 +545,17 @@ async def test_the_request_sent_is_the_one_the_sdks_create_writes_for_it(
     await sdk.close()
     theirs = fake.requests[-1]
 
-    assert ours.path == theirs.path == "/v1/messages"
+    assert_same_request(ours, theirs, "/v1/messages", HEADERS_READ)
+
+
+def assert_same_request(
+    ours: Recorded, theirs: Recorded, path: str, headers: Sequence[str]
+) -> None:
+    """The same path, JSON body and `headers`, and a body of the same length: written as
+    compactly, its text as UTF-8 (not \\u escapes)."""
+    assert ours.path == theirs.path == path
     assert ours.body == theirs.body
-    assert [ours.headers.get(h) for h in HEADERS_READ] == [
-        theirs.headers.get(h) for h in HEADERS_READ
-    ]
-    # The same length too: written as compactly, its text as UTF-8 (not \u escapes).
+    assert [ours.headers.get(h) for h in headers] == [theirs.headers.get(h) for h in headers]
     assert ours.headers["content-length"] == theirs.headers["content-length"]
 
 
@@ -564,11 +570,16 @@ async def sdk_calls(package_file: str, work: Awaitable[Any]) -> int:
         if event == "call" and frame.f_code.co_filename.startswith(root):
             called[id(frame)] = frame
 
+    # Nor is a finalizer the garbage collector would run meanwhile (an earlier test's
+    # client): it runs before, or after.
+    gc.collect()
+    gc.disable()
     sys.setprofile(hook)
     try:
         await work
     finally:
         sys.setprofile(None)
+        gc.enable()
     return len(called)
 
 
@@ -596,24 +607,6 @@ async def test_the_sdks_work_for_a_call_does_not_grow_with_the_conversation(
 @pytest.fixture(scope="module")
 def spans() -> Iterator[InMemorySpanExporter]:
     yield from recorded_spans()
-
-
-def recorded_spans() -> Iterator[InMemorySpanExporter]:
-    """Spans recorded in memory, through the process's one tracer provider (tracing on).
-
-    OpenTelemetry lets the global provider be set once per process, so it is set here
-    only if nothing set an SDK provider before; the processor is shut down afterwards,
-    which leaves later tests' spans unrecorded.
-    """
-    memory = InMemorySpanExporter()
-    processor = SimpleSpanProcessor(memory)
-    tracer_provider = trace.get_tracer_provider()
-    if not isinstance(tracer_provider, TracerProvider):
-        tracer_provider = TracerProvider()
-        trace.set_tracer_provider(tracer_provider)
-    tracer_provider.add_span_processor(processor)
-    yield memory
-    processor.shutdown()
 
 
 def traceparent_of(span: ReadableSpan) -> str:

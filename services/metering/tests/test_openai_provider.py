@@ -47,10 +47,11 @@ from testkit.fake_chat_api import (
 )
 from testkit.metering import Metering, Starter
 from testkit.probes import wait_for
+from testkit.spans import recorded_spans
 
 from .test_anthropic_provider import (
+    assert_same_request,
     conversation,
-    recorded_spans,
     sdk_calls,
     traceparent_of,
 )
@@ -587,13 +588,7 @@ async def test_the_request_sent_is_the_one_the_sdks_create_writes_for_it(fake: F
     await sdk.close()
     theirs = fake.requests[-1]
 
-    assert ours.path == theirs.path == "/v1/chat/completions"
-    assert ours.body == theirs.body
-    assert [ours.headers.get(h) for h in HEADERS_READ] == [
-        theirs.headers.get(h) for h in HEADERS_READ
-    ]
-    # The same length too: written as compactly, its text as UTF-8 (not \u escapes).
-    assert ours.headers["content-length"] == theirs.headers["content-length"]
+    assert_same_request(ours, theirs, "/v1/chat/completions", HEADERS_READ)
 
 
 async def test_the_sdks_work_for_a_call_does_not_grow_with_the_conversation(
