@@ -6,7 +6,7 @@ import asyncio
 import gc
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,7 +36,7 @@ from contracts.metering import (
 from domain.metering import cost_micros
 from metering.app import build_provider
 from metering.providers.anthropic import AnthropicProvider, build_params
-from metering.providers.base import Progress, ProviderError, ProviderRequest
+from metering.providers.base import Progress, Provider, ProviderError, ProviderRequest
 from metering.settings import MeteringSettings
 from servicekit.client import call
 from testkit.fake_messages_api import (
@@ -590,18 +590,27 @@ async def test_the_sdks_work_for_a_call_does_not_grow_with_the_conversation(
     # A burst of turns starting at once pays each call's start one after another: the
     # SDK walking and copying the whole conversation (and then writing it) on every
     # call made a long conversation's turn start later. The body is handed over written.
-    llm = provider(fake)
-    fake.replies.append(a_reply(streams))
-    # The first call's one-time work (the platform's name, lazy imports) is not counted.
-    await llm.complete(conversation(1), Progress(), Texts() if streams else None)
+    llm, sdk = provider(fake), anthropic.__file__
+    short, long = await sdk_calls_short_and_long(
+        llm, sdk, lambda: fake.replies.append(a_reply(streams)), REQUEST.model, streams
+    )
+    assert short > 0  # the SDK sent both
+    assert long == short
+
+
+async def sdk_calls_short_and_long(
+    llm: Provider, sdk_file: str, next_reply: Callable[[], None], model: str, streams: bool
+) -> tuple[int, int]:
+    """The SDK's calls (`sdk_calls`) during a call of a short conversation and during one
+    forty times as long, after a first call not counted (its one-time work: the
+    platform's name, lazy imports); `next_reply` queues each call's answer."""
     counts = []
-    for turns in (1, 40):
-        fake.replies.append(a_reply(streams))
-        call = llm.complete(conversation(turns), Progress(), Texts() if streams else None)
-        counts.append(await sdk_calls(anthropic.__file__, call))
+    for turns in (1, 1, 40):
+        next_reply()
+        call = llm.complete(conversation(turns, model), Progress(), Texts() if streams else None)
+        counts.append(await sdk_calls(sdk_file, call))
     await llm.close()
-    assert counts[0] > 0  # the SDK sent both
-    assert counts[1] == counts[0]
+    return counts[1], counts[2]
 
 
 @pytest.fixture(scope="module")
