@@ -145,8 +145,7 @@ CLAIM_AFTER_DELIVERY = (
     f"RETURNING {_UNSYNCED})"
     + CLAIM.replace(
         "AND (leased_until IS NULL OR leased_until <= now())",
-        "AND (leased_until IS NULL OR leased_until <= now()) AND "
-        + _NOT_DELIVERED.format(t="o"),
+        "AND (leased_until IS NULL OR leased_until <= now()) AND " + _NOT_DELIVERED.format(t="o"),
     )
     .replace(
         "AND busy.ordering_key IS NOT NULL",
@@ -290,7 +289,12 @@ class OutboxRelay:
             self._delivered = None
             try:
                 claimed = await self._pool.fetch(
-                    CLAIM_AFTER_DELIVERY, self._batch, self._lease, lease, delivered[1], delivered[0]
+                    CLAIM_AFTER_DELIVERY,
+                    self._batch,
+                    self._lease,
+                    lease,
+                    delivered[1],
+                    delivered[0],
                 )
             except BaseException:
                 self._delivered = self._delivered or delivered  # nothing was deleted
