@@ -224,7 +224,7 @@ class OutboxRelay:
                 try:
                     while await self._drain() == self._batch:
                         raise_if_cancelling()
-                    if not await self._woken_within(SETTLE_WAIT_SECONDS):
+                    if self._delivered and not await self._woken_within(SETTLE_WAIT_SECONDS):
                         await self._settle()  # no claim comes soon to delete them
                 except (asyncpg.PostgresError, OSError) as exc:
                     log.warning("outbox_drain_failed", error=repr(exc))
