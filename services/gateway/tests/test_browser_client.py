@@ -193,6 +193,28 @@ async def test_a_reader_who_scrolled_up_is_left_there_and_one_at_the_end_follows
 
 
 @pytest.mark.timeout(60)
+async def test_a_lost_socket_is_tried_again_in_the_upper_half_of_a_doubling_ceiling(
+    gateway: Gateway, browser: Browsing
+) -> None:
+    """The page's reconnect waits in the upper half of a ceiling that doubles from half a
+    second to ten: the people of a gateway that died come back spread out, the more so
+    the longer it stays down. `bench/chaos.py` reads these numbers from the client and
+    follows the same schedule (tests/test_chaos_person.py)."""
+    page = await browser.new_page()
+    await page.goto(f"{gateway.url}/?token={gateway.token()}")
+    delay = "async ([n, r]) => (await import('/connection.js')).retryDelay(n, () => r)"
+    ceilings = [await page.evaluate(delay, [n, 1.0]) for n in range(7)]
+    assert ceilings == [500, 1000, 2000, 4000, 8000, 10000, 10000]
+    assert [await page.evaluate(delay, [n, 0.0]) for n in range(6)] == [
+        250,
+        500,
+        1000,
+        2000,
+        4000,
+        5000,
+    ]
+
+
 async def test_the_token_moves_from_the_address_into_session_storage(
     gateway: Gateway, browser: Browsing
 ) -> None:
