@@ -126,7 +126,7 @@ def retry_delay(failures: int, random: float, most: float | None = None) -> floa
     """The web client's `retryDelay`: the wait before the next try after `failures` tries
     since the socket was last live, `random` in [0, 1); `most`: another ceiling than its
     own (`--storm`)."""
-    ceiling = min(MAX_RETRY if most is None else most, FIRST_RETRY * 2**failures)
+    ceiling = min(MAX_RETRY if most is None else most, FIRST_RETRY * 2.0**failures)
     return ceiling / 2 + random * ceiling / 2
 
 
