@@ -5,29 +5,11 @@ measures is what a person with the page open waits."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def chaos() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # its `benchkit`
-    try:
-        spec = importlib.util.spec_from_file_location("chaos", BENCH / "chaos.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["chaos"] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+from .benches import bench_module
 
 
 def test_a_person_waits_in_the_web_clients_window_after_a_lost_socket() -> None:
-    bench = chaos()
+    bench = bench_module("chaos")
     assert (bench.FIRST_RETRY, bench.MAX_RETRY, bench.JOIN_TIMEOUT) == (0.5, 10.0, 10.0)
     ceilings = [bench.retry_delay(n, 1.0) for n in range(7)]
     assert ceilings == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
