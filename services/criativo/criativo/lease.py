@@ -231,7 +231,7 @@ class SessionLeases:
             revision = await self._bucket.update(key, self._holder, last=entry.revision)
         except KeyWrongLastSequenceError:
             return None
-        log.info("lease_taken_over", session_id=key, holder=entry.value.decode(errors="replace"))
+        log.warning("lease_taken_over", session_id=key, holder=entry.value.decode(errors="replace"))
         return revision
 
     async def _renewed(self, key: str, revision: int) -> int:
