@@ -7,6 +7,7 @@ no serious or critical violation on any page."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -213,6 +214,53 @@ async def test_a_lost_socket_is_tried_again_in_the_upper_half_of_a_doubling_ceil
         4000,
         5000,
     ]
+
+
+async def test_a_refused_join_is_tried_again_on_the_back_off_not_after_the_join_timeout(
+    gateway: Gateway, browser: Browsing
+) -> None:
+    """A join the gateway answers with an error (the log restarting: `unavailable`) left
+    the socket open, not live, until the page's 10 s join timeout: a person waited that
+    long once the log was back. It is a failed try now: the socket is closed at once and
+    the next one opened on the back-off. The page's clock is frozen, so no timer can
+    close the refused socket: only the refusal does."""
+    page = await browser.new_page()
+    await page.clock.install()  # before the pages load: their timers are the clock's
+    await session_on_page(gateway, page)
+    sockets: list[WebSocketRoute] = []
+    closed: list[int] = []
+
+    def route(ws: WebSocketRoute) -> None:
+        index = len(sockets)
+        sockets.append(ws)
+        if index > 0:  # the gateway itself from the second socket on
+            server = ws.connect_to_server()
+            ws.on_message(server.send)
+            server.on_message(ws.send)
+            return
+
+        def refuse(message: str | bytes) -> None:
+            frame = json.loads(message)
+            if frame["type"] == "join":
+                error = {"type": "error", "code": "unavailable", "message": "restarting"}
+                ws.send(json.dumps({**error, "ref": frame.get("ref")}))
+
+        def on_close(code: int | None, reason: str | None) -> None:
+            closed.append(index)
+            asyncio.ensure_future(ws.close(code=code, reason=reason))  # the close handshake
+
+        ws.on_message(refuse)
+        ws.on_close(on_close)
+
+    await page.route_web_socket("**/ws?*", route)
+    await page.clock.pause_at(await page.evaluate("Date.now() + 1000"))  # from now on, frozen
+    await page.evaluate("window.agentbusConnection.drop()")
+    await page.clock.run_for(1_000)  # the first try after a lost socket: within 0.5 s
+    await wait_for(lambda: closed, timeout=30, what="the page to close the refused socket")
+    assert len(sockets) == 1
+    await page.clock.run_for(2_000)  # the next try: within 1 s
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    assert len(sockets) == 2
 
 
 async def test_the_token_moves_from_the_address_into_session_storage(

@@ -67,6 +67,11 @@ export class Connection {
         clearTimeout(joinTimer);
         this.failures = 0;
         this.onState("live");
+      } else if (frame.type === "error" && frame.ref === "join") {
+        // Refused (the log restarting: `unavailable`): a failed try, closed now and tried
+        // again on the back-off, not left open until JOIN_TIMEOUT_MS.
+        clearTimeout(joinTimer);
+        ws.close();
       }
       this.onFrame(frame);
     };
