@@ -7,7 +7,6 @@ no serious or critical violation on any page."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -245,9 +244,9 @@ async def test_a_refused_join_is_tried_again_on_the_back_off_not_after_the_join_
                 error = {"type": "error", "code": "unavailable", "message": "restarting"}
                 ws.send(json.dumps({**error, "ref": frame.get("ref")}))
 
-        def on_close(code: int | None, reason: str | None) -> None:
+        async def on_close(code: int | None, reason: str | None) -> None:
             closed.append(index)
-            asyncio.ensure_future(ws.close(code=code, reason=reason))  # the close handshake
+            await ws.close(code=code, reason=reason)  # the close handshake, handled here
 
         ws.on_message(refuse)
         ws.on_close(on_close)
