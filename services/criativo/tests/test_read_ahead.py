@@ -18,6 +18,7 @@ from nats.aio.client import Client
 
 from contracts.events import AgentResponse, Event, EventType
 from criativo.lease import BUCKET, SessionLeases, open_leases
+from criativo.presence import Presence
 from criativo.session import SessionWork
 from criativo.turns import RecordRule, TurnOutcome, Turns
 from domain.criativo import Conversation
@@ -97,11 +98,12 @@ async def test_a_read_taken_before_another_replica_held_the_session_is_read_agai
 ) -> None:
     session = await driver.open()
     a_leases = LateLeases(
-        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET), "replica-a"
+        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET),
+        await Presence.started(nc, "replica-a"),
     )
     a = await replica(driver, nc, a_leases)
     log, turns = a.log, a.turns
-    b_leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
+    b_leases = await open_leases(nc, await provisioned_leases(nc.jetstream(), 30), "replica-b")
     conv = await a.work.catch_up(Conversation(session))
     async with a_leases.hold(session) as resumed:  # A released it last: it may resume
         assert not resumed
@@ -135,7 +137,7 @@ async def test_a_resumed_lease_answers_on_the_one_read_that_went_out_with_it(
 ) -> None:
     session = await driver.open()
     a = await replica(
-        driver, nc, await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-a")
+        driver, nc, await open_leases(nc, await provisioned_leases(nc.jetstream(), 30), "replica-a")
     )
     conv = await a.work.catch_up(Conversation(session))
     first = await message_event(driver, session, "um")
