@@ -10,13 +10,15 @@ N simulated people, each in a project of their own, go **through the gateway Web
 (either replica) through the whole story: open a session, start Criativo, six messages
 (two of them rules, two typed in bursts while a turn runs), two deliberate reconnects
 that resume with `after_seq`, readiness, accept (even people) or reject (odd) the offer
-to `po`, close. A person whose socket drops reconnects with backoff and resumes; a frame
-left unanswered is sent again only when the log shows it did not happen.
+to `po`, close. A person whose socket drops reconnects as the web client does (its
+back-off, by the numbers `services/gateway/web/connection.js` declares) and resumes; a
+frame left unanswered is sent again only when the log shows it did not happen.
 
 The run is two rounds of N people: a calm one, then one under chaos, whose driver
 SIGKILLs random service replicas (every service `--kills` times), SIGKILLs one NATS node
 and starts it again 10 s later, restarts both gateway replicas (SIGTERM: every client
-reconnects and resumes) and pauses Postgres for 3 s (SIGSTOP/SIGCONT).
+reconnects and resumes) and pauses Postgres for 3 s (SIGSTOP/SIGCONT). When a gateway
+replica serves again after its death or restart is noted beside the blows.
 
 Checked at the end, from the log and the databases, each with its evidence when broken
 (exit code 1):
@@ -48,12 +50,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import itertools
 import json
 import os
 import random
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,6 +105,67 @@ MESSAGES = [  # (text, sent right after the previous one: a burst while its turn
     ("also, a loyalty stamp for every tenth order", True),
 ]
 ARRIVED = "_arrived"  # when a person received an event (kept beside the event)
+# The web client a person here stands for: they reconnect as it does, by its own numbers.
+CLIENT = HERE.parent / "services" / "gateway" / "web" / "connection.js"
+
+
+def client_constant(name: str) -> float:
+    """A number the web client declares (`const NAME = 10_000;`), in seconds from its ms."""
+    found = re.search(rf"^const {name} = ([0-9_]+);", CLIENT.read_text(), re.MULTILINE)
+    if found is None:
+        raise LookupError(f"{CLIENT} declares no {name}")
+    return int(found.group(1).replace("_", "")) / 1000
+
+
+FIRST_RETRY = client_constant("FIRST_RETRY_MS")
+MAX_RETRY = client_constant("MAX_RETRY_MS")
+JOIN_TIMEOUT = client_constant("JOIN_TIMEOUT_MS")
+
+
+def retry_delay(failures: int, random: float, most: float | None = None) -> float:
+    """The web client's `retryDelay`: the wait before the next try after `failures` tries
+    since the socket was last live, `random` in [0, 1); `most`: another ceiling than its
+    own (`--storm`)."""
+    ceiling = min(MAX_RETRY if most is None else most, FIRST_RETRY * 2.0**failures)
+    return ceiling / 2 + random * ceiling / 2
+
+
+def storm(ceilings: list[float], people: int = 100, runs: int = 40) -> list[str]:
+    """`people` who lost their gateway at once, trying again by the client's schedule
+    until one serves again after an outage of a few seconds to half a minute: how long
+    after it the slowest tenth still waits, and how many arrive in the busiest second
+    (what a starting gateway takes). The same with a lower ceiling (the trade: back
+    sooner, and arriving faster). Simulated, seeded: a schedule's figures, not a run's."""
+    lines = [
+        f"reconnect storm, {people} people, {runs} draws each: the slowest tenth's wait after "
+        "the outage / the busiest second's arrivals"
+    ]
+    for outage in (1.0, 2.0, 4.0, 6.0, 9.0, 15.0, 30.0):
+        cells = []
+        for most in ceilings:
+            waits, peaks = [], []
+            for draw in range(runs):
+                back = _returns(people, outage, random.Random(draw), most)
+                waits.append(back[int(0.9 * people) - 1] - outage)
+                peaks.append(max(bisect.bisect_left(back, t + 1.0) - i for i, t in enumerate(back)))
+            wait, peak = statistics.mean(waits), statistics.mean(peaks)
+            cells.append(f"ceiling {most:4.1f} s: {wait:4.1f} s / {peak:4.1f}")
+        lines.append(f"  outage {outage:4.1f} s   " + "   ".join(cells))
+    return lines
+
+
+def _returns(people: int, outage: float, rng: random.Random, most: float) -> list[float]:
+    """When each person's first try after `outage` seconds lands, in order."""
+    back = []
+    for _ in range(people):
+        at, failures = 0.0, 0
+        while at < outage:
+            at += retry_delay(failures, rng.random(), most)
+            failures += 1
+        back.append(at)
+    return sorted(back)
+
+
 RECONNECT_AFTER = {2, 4}  # drop the socket and resume after these messages (1-based)
 
 
@@ -142,6 +208,7 @@ class Person:
     latencies: list[float] = field(default_factory=list)  # chat sent → its answer
     answers: list[Answer] = field(default_factory=list)  # each answer's text and times
     connects: int = 0
+    failures: int = 0  # tries since the socket was last live, as the web client counts them
     # Each connection attempt: when it began and ended, and how ("joined", "connect
     # ConnectionRefusedError", "join Lost"…): where an answer waited on the socket.
     trail: list[tuple[float, float, str]] = field(default_factory=list)
@@ -177,10 +244,13 @@ class Person:
 
     # -- the connection -----------------------------------------------------------------
 
-    async def connect(self) -> None:
-        """(Re)connect to a gateway replica and join the session after the last event seen;
-        back off while the gateways restart."""
-        delay = 0.2
+    async def connect(self, lost: bool = True) -> None:
+        """(Re)connect to a gateway replica and join the session after the last event seen,
+        as the web client does (`services/gateway/web/connection.js`): after a lost socket,
+        a failed try or a join unanswered for `JOIN_TIMEOUT`, it waits `retry_delay` first;
+        a first connection or a reload (`lost=False`) tries at once."""
+        if lost:
+            await self._back_off()
         while True:
             self.connects += 1
             began = time.time()
@@ -188,28 +258,31 @@ class Person:
                 ws = await connect(await self.url(), max_size=None, open_timeout=10)
             except (OSError, InvalidHandshake, InvalidStatus, TimeoutError, httpx.HTTPError) as exc:
                 self.trail.append((began, time.time(), f"connect {type(exc).__name__}"))
-                await asyncio.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 3.0)
+                await self._back_off()
                 continue
             self._ws = ws
             reader = asyncio.create_task(self._read(ws))
+            join = {"type": "join", "session_id": self.session_id, "after_seq": self.last_seq}
             try:
-                await self._send(
-                    ws, {"type": "join", "session_id": self.session_id, "after_seq": self.last_seq}
-                )
+                await self._send(ws, join, JOIN_TIMEOUT)
                 self.trail.append((began, time.time(), "joined"))
+                self.failures = 0
                 return
             except (Lost, Refused, TimeoutError) as exc:
                 self.trail.append((began, time.time(), f"join {type(exc).__name__}"))
                 reader.cancel()
                 await ws.close()
-                await asyncio.sleep(delay)
+                await self._back_off()
+
+    async def _back_off(self) -> None:
+        await asyncio.sleep(retry_delay(self.failures, random.random()))
+        self.failures += 1
 
     async def drop(self) -> None:
         """Close the socket deliberately (a tab reloaded) and resume on the other replica."""
         if self._ws is not None:
             await self._ws.close()
-        await self.connect()
+        await self.connect(lost=False)
 
     async def _read(self, ws: ClientConnection) -> None:
         try:
@@ -247,13 +320,15 @@ class Person:
         self.events.append(event)
         self._changed.set()
 
-    async def _send(self, ws: ClientConnection, frame: dict[str, Any]) -> dict[str, Any]:
+    async def _send(
+        self, ws: ClientConnection, frame: dict[str, Any], patience: float = FRAME_PATIENCE
+    ) -> dict[str, Any]:
         ref = uuid.uuid4().hex
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._answers[ref] = (ws, future)
         try:
             await ws.send(json.dumps({**frame, "ref": ref}))
-            reply = await asyncio.wait_for(future, FRAME_PATIENCE)
+            reply = await asyncio.wait_for(future, patience)
         except ConnectionClosed:
             # Forget the socket here: the reader that would do it cannot run while a
             # caller retries (a send on a closed socket fails without yielding).
@@ -261,10 +336,11 @@ class Person:
                 self._ws = None
             raise Lost() from None
         except TimeoutError:
-            self.stalls.append(
-                f"p{self.index}: {frame['type']} unanswered for {FRAME_PATIENCE:.0f} s "
-                f"(connection {self.connects})"
-            )
+            if patience >= FRAME_PATIENCE:  # a join's shorter patience is the client's own
+                self.stalls.append(
+                    f"p{self.index}: {frame['type']} unanswered for {patience:.0f} s "
+                    f"(connection {self.connects})"
+                )
             await ws.close()
             raise Lost() from None
         finally:
@@ -358,7 +434,7 @@ class Person:
 
     async def _story(self, base_url: str) -> None:
         self.session_id = await self._open(base_url)
-        await self.connect()
+        await self.connect(lost=False)
         with contextlib.suppress(Refused):  # already active after a lost ack
             await self.act({"type": "start_agent", "agent": "criativo"})
         await self.wait_event(lambda e: e["type"] == "agent.activated")
@@ -634,6 +710,8 @@ async def drive_chaos(
                 continue
             victim, pid = hit
             blows.append(Blow(time.time(), f"SIGKILL {name}-{victim.replica}", kind, pid))
+            if name == "gateway":
+                background.append(asyncio.create_task(_serving_again(system, victim, pid, blows)))
         elif kind == "nats":
             node = rng.randrange(NATS_NODES)
             system.cluster.kill_node(node)
@@ -641,8 +719,11 @@ async def drive_chaos(
             background.append(asyncio.create_task(_nats_back(system, node, blows)))
         elif kind == "gateway":
             for s in system.replicas("gateway"):
-                if s.pid is not None:
-                    os.kill(s.pid, signal.SIGTERM)
+                if (stopped := s.pid) is not None:
+                    os.kill(stopped, signal.SIGTERM)
+                    background.append(
+                        asyncio.create_task(_serving_again(system, s, stopped, blows))
+                    )
             blows.append(Blow(time.time(), "restart both gateways (SIGTERM)", kind))
         else:
             pids = system.postgres_pids()
@@ -674,6 +755,28 @@ async def _sigkill_a_replica(
                 return victim, pid
         await asyncio.sleep(0.2)
     return None
+
+
+async def _serving_again(
+    system: System, gateway: Supervised, stopped: int, blows: list[Blow]
+) -> None:
+    """When a gateway replica whose process `stopped` was killed or told to stop serves
+    again (`/healthz` answers from its next process): its supervisor's restart delay and
+    its start-up, what a person waits for once both replicas are down. Kept as a blow, so
+    the slowest answers show it."""
+    port = system.gateway_ports[gateway.replica - 1]
+    began = time.time()
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        while time.time() - began < 120:
+            if gateway.pid not in (None, stopped):  # the next process: is it serving?
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200:
+                        what = f"gateway-{gateway.replica} serving again"
+                        blows.append(
+                            Blow(time.time(), f"{what} ({time.time() - began:.1f} s)", "back")
+                        )
+                        return
+            await asyncio.sleep(0.05)
 
 
 async def _nats_back(system: System, node: int, blows: list[Blow]) -> None:
@@ -1032,7 +1135,7 @@ def longest_kill_to_answer(blows: list[Blow], people: list[Person]) -> tuple[flo
     worst, which = 0.0, "-"
     for blow in blows:
         # a blow before the first answer only delays the start: nothing was answered yet
-        if blow.kind == "nats-back" or not answers or blow.at < answers[0]:
+        if blow.kind in ("nats-back", "back") or not answers or blow.at < answers[0]:
             continue
         after = next((a for a in answers if a > blow.at), None)
         if after is not None and after - blow.at > worst:
@@ -1173,7 +1276,15 @@ def main() -> None:
         type=Path,
         help="a new folder for the run's state, kept afterwards (every replica's log is there)",
     )
+    parser.add_argument(
+        "--storm",
+        action="store_true",
+        help="only print the web client's reconnect schedule against lower ceilings, simulated",
+    )
     args = parser.parse_args()
+    if args.storm:
+        print("\n".join(storm([MAX_RETRY, 8.0, 6.0, 5.0])))
+        return
     ANSWER_PATIENCE = args.patience
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=False)

@@ -6,27 +6,20 @@ emit and the stand-in's own time to its first word; a scripted delta keeps its o
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 
 from anthropic import AsyncAnthropic
 
 from contracts.metering import TurnDelta
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from .benches import bench_module
+
 PACE_S = 0.05
 
 
 def fakeprovider() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fakeprovider", BENCH / "fakeprovider.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fakeprovider"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("fakeprovider")
 
 
 async def test_each_word_carries_its_write_time_and_the_first_the_request_time() -> None:

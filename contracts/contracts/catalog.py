@@ -239,6 +239,16 @@ STREAM_BEAT = Publication(
     None,
     None,
 )
+LEASE_HOLDER = Publication(
+    "criativo.holder",
+    subjects.holder_subject("{holder}"),
+    "A request to the Criativo process `{holder}`, whose id a session's lease carries: it "
+    "answers while it lives. A replica waiting for the session asks it; NATS answering "
+    '"no responders" (twice, a reconnect apart) means the process is gone, and its lease is '
+    "taken at once instead of after the bucket's TTL. The bodies are empty.",
+    None,
+    None,
+)
 BINDINGS_CHANGED = Publication(
     "metering.bindings_changed",
     subjects.BINDINGS_CHANGED,
@@ -265,7 +275,15 @@ DEAD_LETTER = Publication(
     None,
     streams.DEAD_LETTERS,
 )
-PUBLICATIONS = [TURN_DELTA, TURN_DONE, STREAM_BEAT, BINDINGS_CHANGED, TURN_CANCELLED, DEAD_LETTER]
+PUBLICATIONS = [
+    TURN_DELTA,
+    TURN_DONE,
+    STREAM_BEAT,
+    LEASE_HOLDER,
+    BINDINGS_CHANGED,
+    TURN_CANCELLED,
+    DEAD_LETTER,
+]
 
 
 # --- Who may use the bus (docs/architecture.md) --------------------------------------
@@ -386,9 +404,10 @@ ACCESS = [
             subjects.LLM_TURN,
             subjects.LLM_STREAM,
         ),
-        publishes=(TURN_DONE.filter,),
+        # Asks a lease's holder whether it lives (criativo.presence), and answers as one.
+        publishes=(TURN_DONE.filter, LEASE_HOLDER.filter),
         # The beats of the streams it waits on: their liveness (harness.client).
-        subscribes=(STREAM_BEAT.filter,),
+        subscribes=(STREAM_BEAT.filter, LEASE_HOLDER.filter),
         durables=(CRIATIVO_INPUTS,),
         buckets=(CRIATIVO_LEASES,),
     ),

@@ -41,6 +41,10 @@ TURN_CANCELLED = "metering.turn_cancelled"
 # Core NATS, not a stream: `metering.alive.<key>`, the beat of a streaming turn a replica
 # is handling (`LlmStream.alive_subject`). Three tokens: no session feed hears it.
 ALIVE_PREFIX = "metering.alive."
+# Core NATS, request/reply: `criativo.holder.<holder>`, answered by the Criativo process a
+# session lease names while it lives (`criativo.presence`). Three tokens: no session feed
+# hears it, and no stream keeps it (a request to a process gone gets "no responders").
+HOLDER_PREFIX = "criativo.holder."
 
 # handoff
 HANDOFFS_OFFER = "cmd.handoffs.offer"
@@ -87,6 +91,12 @@ def alive_subject(key: str) -> str:
     """Where metering beats while it handles one caller's streaming turn (`key`: the
     caller's, unique to the turn)."""
     return f"{ALIVE_PREFIX}{key}"
+
+
+def holder_subject(holder: str) -> str:
+    """Where the Criativo process `holder` (its id in the leases it writes) answers whether
+    it is still there."""
+    return f"{HOLDER_PREFIX}{holder}"
 
 
 # Where exhausted or terminated deliveries are announced (see servicekit.consumer).

@@ -64,8 +64,14 @@ from servicekit.permissions import OPS, PROVISION, USERS
 
 log = get_logger("devstack")
 
+# A process that ran this long had started and served: its death (SIGKILL, the OOM
+# killer, a lost node) is not its start-up failing, and every second it stays down is a
+# second its clients wait (a gateway's people, a Criativo replica's sessions). One that dies
+# sooner may be crash-looping: it waits RESTART_FIRST_DELAY, doubling up to
+# RESTART_MAX_DELAY while it keeps dying young, so a broken one does not spin.
+SETTLED_AFTER = 10.0
+RESTART_FIRST_DELAY = 1.0
 RESTART_MAX_DELAY = 30.0
-HEALTHY_AFTER = 60.0
 STOP_GRACE = 10.0
 # The port a web service listens on (the gateway's setting): replica i gets the
 # configured port + i - 1, so each replica of the web client can be opened.
@@ -161,6 +167,14 @@ def _alive(pid: object) -> bool:
         return False
 
 
+def restart_delay(lived: float, previous: float) -> float:
+    """How long a process that died after running `lived` seconds waits to be started
+    again, the restart before it having waited `previous` (0 for a first)."""
+    if lived >= SETTLED_AFTER:
+        return 0.0
+    return min(max(previous * 2, RESTART_FIRST_DELAY), RESTART_MAX_DELAY)
+
+
 class Supervised:
     """One service process, restarted whenever it dies until the stack stops."""
 
@@ -176,7 +190,7 @@ class Supervised:
         self.restarts = 0
 
     async def run(self) -> None:
-        delay = 1.0
+        delay = 0.0
         while not self._stopping:
             started = time.monotonic()
             with contextlib.ExitStack() as output:
@@ -193,8 +207,7 @@ class Supervised:
             code = await self._process.wait()
             if self._stopping:
                 return
-            if time.monotonic() - started > HEALTHY_AFTER:
-                delay = 1.0
+            delay = restart_delay(time.monotonic() - started, delay)
             self.restarts += 1
             log.error(
                 "service_died_restarting",
@@ -205,7 +218,6 @@ class Supervised:
                 restart_in=delay,
             )
             await asyncio.sleep(delay)
-            delay = min(delay * 2, RESTART_MAX_DELAY)
 
     @property
     def pid(self) -> int | None:

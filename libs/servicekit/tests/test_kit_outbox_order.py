@@ -6,10 +6,10 @@ import asyncio
 import json
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -216,6 +216,111 @@ async def test_the_rows_of_a_relay_that_died_holding_a_lease_go_in_order_once_it
     assert await waiting(pool) == []
     await spy.unsubscribe()
     dying.cancel()
+
+
+Background = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+
+
+class CountingPool:
+    """The pool a relay is given, counting the statements it runs on it."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self.statements: list[str] = []
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        self.statements.append(query)
+        return await self._pool.fetch(query, *args)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        self.statements.append(query)
+        return await self._pool.fetchval(query, *args)
+
+    async def execute(self, query: str, *args: Any) -> str:
+        self.statements.append(query)
+        return await self._pool.execute(query, *args)
+
+    def acquire(self) -> Any:
+        return self._pool.acquire()  # the relay's LISTEN
+
+
+async def test_a_running_relay_deletes_what_it_delivered_in_its_next_claim(
+    pool: asyncpg.Pool, nc: Client, stream: tuple[str, str], background: Background
+) -> None:
+    """While rows keep coming, a batch costs the relay one statement: the claim of the
+    next batch deletes the rows the last one delivered."""
+    _, prefix = stream
+    await enqueue_committed(pool, *((f"{prefix}.a", f"k-{n}", "K") for n in (1, 2, 3)))
+    counting = CountingPool(pool)
+    relay = OutboxRelay(
+        cast(asyncpg.Pool, counting), JetStreamPublisher(nc), batch=1, poll_seconds=3600
+    )
+    background(relay.run())
+
+    await wait_for(lambda: relay.delivered == 3, what="the three rows delivered")
+    await wait_for(lambda: _none_waiting(pool), what="the last row deleted by the next claim")
+    assert await published_ids(nc, stream) == ["k-1", "k-2", "k-3"]
+    # three batches of one row, and the claim that found none left: no DELETE of its own
+    assert len(counting.statements) == 4
+    assert not [q for q in counting.statements if q.lstrip().startswith("DELETE")]
+
+
+async def test_a_relay_with_nothing_more_to_claim_deletes_what_it_delivered_alone(
+    pool: asyncpg.Pool, nc: Client, stream: tuple[str, str], background: Background
+) -> None:
+    _, prefix = stream
+    relay = OutboxRelay(pool, JetStreamPublisher(nc), poll_seconds=3600)
+    background(relay.run())
+    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"))
+    relay.wake()
+
+    await wait_for(lambda: _none_waiting(pool), what="the delivered row deleted")
+    assert relay.delivered == 1
+    assert await published_ids(nc, stream) == ["k-1"]
+
+
+async def test_a_relay_that_died_before_deleting_what_it_delivered_leaves_it_resent_once_in_order(
+    pool: asyncpg.Pool,
+    nc: Client,
+    stream: tuple[str, str],
+    make_pool: Callable[[], Awaitable[asyncpg.Pool]],
+    database_url: str,
+) -> None:
+    """The relay's process dies once its batch was acknowledged, before any statement
+    deleted it: the rows keep their lease, and once it expires another relay sends them
+    again (the stream drops the copy), ahead of the key's later rows, and deletes them."""
+    _, prefix = stream
+    seen, spy = await publishes_seen(nc, prefix)
+    doomed_pool = await create_pool(database_url, await pool.fetchval("SELECT current_schema()"))
+
+    class DyingAfterTheAck:
+        async def send(self, rows: Sequence[OutboxRow]) -> list[Delivery]:
+            delivered = await JetStreamPublisher(nc).send(rows)
+            doomed_pool.terminate()  # every connection of the process is gone
+            return delivered
+
+    doomed = OutboxRelay(doomed_pool, DyingAfterTheAck(), batch=1, poll_seconds=3600)
+    await enqueue_committed(pool, (f"{prefix}.a", "k-1", "K"), (f"{prefix}.a", "k-2", "K"))
+    dying = asyncio.create_task(doomed.run())
+    await wait_for(lambda: seen["k-1"] == 1, what="k-1 published")
+    dying.cancel()
+    await asyncio.gather(dying, return_exceptions=True)  # its pool is gone: it fails
+    await enqueue_committed(pool, (f"{prefix}.a", "k-3", "K"))
+    other = OutboxRelay(await make_pool(), JetStreamPublisher(nc))
+
+    assert await other.drain_once() == 0  # k-1's lease holds its key
+    await expire_leases(pool)
+    assert await other.drain_once() == 3
+
+    assert await published_ids(nc, stream) == ["k-1", "k-2", "k-3"]
+    await nc.flush()
+    assert seen == Counter({"k-1": 2, "k-2": 1, "k-3": 1})
+    assert await waiting(pool) == []
+    await spy.unsubscribe()
+
+
+async def _none_waiting(pool: asyncpg.Pool) -> bool:
+    return await waiting(pool) == []
 
 
 async def test_a_relay_whose_lease_expired_mid_publish_reorders_nothing(

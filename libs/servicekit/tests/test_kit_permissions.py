@@ -111,6 +111,9 @@ PUBLISH = [
     ("criativo", "$KV.criativo_leases.some-session", True),
     ("criativo", "$JS.API.STREAM.CREATE.EVENTS", False),
     ("criativo", "$JS.API.STREAM.DELETE.KV_criativo_leases", False),
+    # a lease's holder is asked whether it lives, by Criativo's replicas only
+    ("criativo", subjects.holder_subject("some-process"), True),
+    ("gateway", subjects.holder_subject("some-process"), False),
     ("psychologist", subjects.LLM_TURN, True),
     ("psychologist", subjects.EVENTS_QUERY, True),
     ("psychologist", subjects.HANDOFFS_ACCEPT, False),
@@ -204,6 +207,8 @@ SUBSCRIBE = [
     ("criativo", CHAT, False),  # it consumes through its durable, not a core subscription
     ("criativo", DELTA, False),  # it never reads a delta: a stream's beat is its liveness
     ("criativo", subjects.alive_subject("k1"), True),  # (harness.client), never to publish
+    ("criativo", subjects.holder_subject("some-process"), True),  # answers for its leases
+    ("gateway", subjects.holder_subject("some-process"), False),
     (OPS, CLOSED, True),
     (OPS, "handoff.>", True),
     (OPS, "session.>", True),

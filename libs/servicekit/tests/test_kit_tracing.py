@@ -16,8 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -29,6 +28,7 @@ from servicekit.logs import add_trace_ids
 from servicekit.outbox import JetStreamPublisher, Outbox, OutboxRelay
 from servicekit.telemetry import current_trace, inject_headers, within
 from testkit.probes import stream_messages, wait_for
+from testkit.spans import recorded_spans
 
 Background = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
@@ -41,21 +41,7 @@ class Echo(Message):
 
 @pytest.fixture(scope="module")
 def exporter() -> Iterator[InMemorySpanExporter]:
-    """Spans recorded in memory, through the process's one tracer provider.
-
-    OpenTelemetry lets the global provider be set once per process, so it is set here
-    only if nothing set an SDK provider before; the processor is shut down afterwards,
-    which leaves later tests' spans unrecorded.
-    """
-    memory = InMemorySpanExporter()
-    processor = SimpleSpanProcessor(memory)
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    provider.add_span_processor(processor)
-    yield memory
-    processor.shutdown()
+    yield from recorded_spans()
 
 
 @pytest.fixture

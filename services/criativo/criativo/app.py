@@ -20,7 +20,7 @@ async def main(settings: CriativoSettings | None = None) -> None:
     """Run the session actors, fed by the log, until stopped."""
     settings = settings or CriativoSettings()
     async with svc.open(settings) as rt:
-        leases = await open_leases(rt.js, settings.instance_id)
+        leases = await open_leases(rt.nc, rt.js, settings.instance_id)
         turns = Turns(
             MeteringClient(
                 rt.nc,

@@ -21,23 +21,35 @@ the bucket accepts as the key's first write (no lease, no release marker: no hol
 within the bucket's TTL, which ages out markers as it does leases). So the first input
 of a session is taken in one round trip too, and its log read may go out beside it.
 
-If renewing fails (the TTL ran out during a stall and another replica took over),
-the turn goes on: the log's idempotency keys still keep one response per message,
-and the loss is logged.
+A replica that dies holding a lease leaves it behind, and the session's input cannot
+run anywhere until it is freed. The TTL frees it, but a person would wait it out. So the
+lease names the process that holds it (`criativo.presence`), and a replica that finds a
+session taken asks that process whether it is still there: one that is gone (NATS finds
+nobody listening for it, twice, a reconnect apart) has its lease taken over at once, by
+a compare-and-set on the revision that was read, so a holder that renewed meanwhile
+keeps it. A holder that is alive, however slow, is waited for as before.
+
+If renewing fails (the TTL ran out during a stall, or the holder was cut off from NATS
+long enough to be taken for gone, and another replica took over), the turn goes on: the
+log's idempotency keys still keep one response per message, metering runs a turn id
+once, and the loss is logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from uuid import UUID
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from contracts import streams
+from criativo.presence import Presence
 from servicekit.bus import Bucket
 from servicekit.logs import get_logger
 from servicekit.patience import is_unavailable
@@ -52,22 +64,33 @@ RENEW_RETRY_SECONDS = 0.5
 RELEASE_ATTEMPTS = 5
 # Sessions whose release this replica remembers (the most recent ones).
 REMEMBERED_RELEASES = 10_000
+# How often a replica waiting for a session asks whether its holder is still there (a
+# read of the key and a request): once at the first refusal, then while it waits.
+ASK_HOLDER_EVERY_SECONDS = 1.0
 
 
-async def open_leases(js: JetStreamContext, instance: str) -> SessionLeases:
-    """This instance's leases, in the bucket `agentbus provision` made (its TTL is the
-    bucket's); `BucketNotProvisioned` when there is none."""
-    return SessionLeases(await Bucket.open(js, BUCKET), instance)
+async def open_leases(nc: Client, js: JetStreamContext, instance: str) -> SessionLeases:
+    """This process's leases, in the bucket `agentbus provision` made (its TTL is the
+    bucket's), answering for its presence on `nc`; `BucketNotProvisioned` when there is
+    no bucket."""
+    bucket = await Bucket.open(js, BUCKET)
+    return SessionLeases(bucket, await Presence.started(nc, instance))
 
 
 class SessionLeases:
-    """Leases on sessions, held by this instance, in `bucket` (`open_leases`)."""
+    """Leases on sessions, held by this process, in `bucket` (`open_leases`)."""
 
-    def __init__(self, bucket: Bucket, instance: str) -> None:
+    def __init__(self, bucket: Bucket, presence: Presence) -> None:
         self._bucket = bucket
-        self._instance = instance.encode()
+        self._presence = presence
+        self._holder = presence.holder
         # By session key: the revision of the delete marker this replica's release left.
         self._released: dict[str, int] = {}
+
+    @property
+    def holder(self) -> bytes:
+        """What this process writes in the leases it takes: its instance and its id."""
+        return self._holder
 
     @contextlib.asynccontextmanager
     async def hold(self, session_id: UUID) -> AsyncIterator[bool]:
@@ -115,7 +138,7 @@ class SessionLeases:
                 if entry is None:
                     log.info("lease_release_found_applied", session_id=key)
                     return
-                if entry.value != self._instance or entry.revision is None:
+                if entry.value != self._holder or entry.revision is None:
                     log.warning("lease_release_failed", session_id=key, error=repr(exc))
                     return  # taken since: not ours to delete
                 revision = entry.revision
@@ -133,8 +156,9 @@ class SessionLeases:
         # while it holds an earlier compare-and-set of the subject in flight (a renewal
         # proposed during the outage), for longer than these attempts. Only this replica
         # writes its name, and no other can take the key while it is there (a create
-        # needs it absent), so the lease is still ours: delete it unconditionally rather
-        # than leave the session's next input waiting for the TTL.
+        # needs it absent, a take-over its holder gone, and this one is answering), so
+        # the lease is still ours: delete it unconditionally rather than leave the
+        # session's next input waiting for the TTL.
         try:
             await self._release(key, None)
         except Exception as exc:
@@ -174,15 +198,22 @@ class SessionLeases:
         released = self._released.pop(key, None)
         if released is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):  # written since: as below
-                return await self._bucket.update(key, self._instance, last=released), True
+                return await self._bucket.update(key, self._holder, last=released), True
         # Revision 0: the subject holds no message at all, neither a lease nor a release.
         with contextlib.suppress(KeyWrongLastSequenceError):  # it has one: as below
-            return await self._bucket.update(key, self._instance, last=0), True
+            return await self._bucket.update(key, self._holder, last=0), True
+        asked = -ASK_HOLDER_EVERY_SECONDS  # when the holder was last asked whether it lives
         while True:
             try:
-                return await self._bucket.create(key, self._instance), False
+                return await self._bucket.create(key, self._holder), False
             except KeyWrongLastSequenceError:
-                await asyncio.sleep(RETRY_SECONDS)  # held elsewhere: until released or expired
+                # Held elsewhere: until released or expired, or its holder is gone.
+                if time.monotonic() - asked >= ASK_HOLDER_EVERY_SECONDS:
+                    asked = time.monotonic()
+                    taken = await self._take_from_the_gone(key)
+                    if taken is not None:
+                        return taken, False
+                await asyncio.sleep(RETRY_SECONDS)
             except KeyNotFoundError:
                 # nats-py's `create` reads the key back after a refused create, to tell a
                 # live lease from a delete marker. On an R3 bucket that read may be served
@@ -191,24 +222,41 @@ class SessionLeases:
                 # fails and waits out the consumer's backoff, minutes.
                 await asyncio.sleep(RETRY_SECONDS)
 
+    async def _take_from_the_gone(self, key: str) -> int | None:
+        """The lease's revision once taken over from a holder that is gone; None while the
+        holder lives (or cannot be told gone), or when the key moved since it was read (a
+        renewal: the holder lives; a release or another taker: the loop tries again)."""
+        entry = await self._entry(key)
+        if entry is None or entry.revision is None or entry.value in (None, self._holder):
+            return None
+        if not await self._presence.gone(entry.value):
+            return None
+        try:
+            revision = await self._bucket.update(key, self._holder, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            return None
+        log.warning("lease_taken_over", session_id=key, holder=entry.value.decode(errors="replace"))
+        return revision
+
     async def _renewed(self, key: str, revision: int) -> int:
         """The lease's revision once renewed from `revision`. A renewal whose write landed
         but whose answer was lost (a node restarting, a timeout under load) leaves the key
         past `revision` in this replica's name, which only this replica writes: still its
         lease, at the key's revision. Anyone else's name, or no key, is a lease lost."""
         try:
-            return await self._bucket.update(key, self._instance, last=revision)
+            return await self._bucket.update(key, self._holder, last=revision)
         except KeyWrongLastSequenceError:
             entry = await self._entry(key)
-            if entry is None or entry.value != self._instance or entry.revision is None:
+            if entry is None or entry.value != self._holder or entry.revision is None:
                 raise
             if entry.revision == revision:
                 # Refused, yet the key is where this replica left it: nats-server holds an
                 # earlier compare-and-set of it in flight (err_code 10164, seen after a
                 # cluster regained quorum; see `_release_soon`). Taking the revision as
                 # renewed would write nothing, and the TTL would run out under the turn.
-                # No other replica can write the key while it is there: renew it as is.
-                renewed = await self._bucket.put(key, self._instance)
+                # No other replica writes the key while it is there and this one answers
+                # for itself (`_take_from_the_gone`): renew it as is.
+                renewed = await self._bucket.put(key, self._holder)
                 log.info("lease_renewed_unconditionally", session_id=key, revision=renewed)
                 return renewed
             log.info("lease_renewal_found_applied", session_id=key, revision=entry.revision)

@@ -20,11 +20,10 @@ class CriativoSettings(ServiceSettings):
     )
     ack_wait_seconds: float = 30.0
     # The least time an input stays with the replica that took it before JetStream hands
-    # it to another. A replica that dies mid-turn leaves the session's lease behind, and
-    # the input can run nowhere else until the lease expires: handing it over sooner buys
-    # nothing. The holder reports it in progress every third of this, one message each:
-    # a turn of a few seconds costs one report or none, not one per third of the first
-    # retry step (which a nak's delay still follows).
+    # it to another: how long the input of a replica that died mid-turn waits (the lease
+    # it left is taken at once, `criativo.presence`). The holder reports it in progress
+    # every third of this, one message each: a turn of a few seconds costs one report or
+    # none, not one per third of the first retry step (which a nak's delay still follows).
     redeliver_held_input_after_seconds: float = streams.LEASES.ttl_seconds / 3
     consumer_batch: int = 32
     max_tool_iterations: int = 4

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 
 from contracts.events import AgentResponse, Event, EventType
 from criativo.lease import BUCKET, SessionLeases, open_leases
+from criativo.presence import Presence
 from criativo.session import SessionWork
 from criativo.turns import RecordRule, TurnOutcome, Turns
 from domain.criativo import Conversation
@@ -113,11 +114,12 @@ async def test_a_read_taken_before_another_replica_held_the_session_is_read_agai
 ) -> None:
     session = await driver.open()
     a_leases = LateLeases(
-        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET), "replica-a"
+        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET),
+        await Presence.started(nc, "replica-a"),
     )
     a = await replica(driver, nc, a_leases)
     log, turns = a.log, a.turns
-    b_leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
+    b_leases = await open_leases(nc, await provisioned_leases(nc.jetstream(), 30), "replica-b")
     conv = await a.work.catch_up(Conversation(session))
     async with a_leases.hold(session):  # A released it last: it may resume
         pass
@@ -143,7 +145,7 @@ async def test_a_resumed_lease_answers_on_the_one_read_that_went_out_with_it(
 ) -> None:
     session = await driver.open()
     a = await replica(
-        driver, nc, await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-a")
+        driver, nc, await open_leases(nc, await provisioned_leases(nc.jetstream(), 30), "replica-a")
     )
     conv = await a.work.catch_up(Conversation(session))
     first = await message_event(driver, session, "um")
@@ -164,7 +166,8 @@ async def test_a_sessions_first_turn_answers_on_the_read_that_went_out_beside_it
     sent before it was asked for stands, and the turn waits for one round trip, not two."""
     session = await driver.open()
     leases = LateLeases(
-        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET), "replica-a"
+        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET),
+        await Presence.started(nc, "replica-a"),
     )
     a = await replica(driver, nc, leases)
     conv = await a.work.catch_up(Conversation(session))
@@ -192,10 +195,11 @@ async def test_a_read_taken_before_another_replica_first_held_the_session_is_rea
     again and leaves B's answer the only one."""
     session = await driver.open()
     a_leases = LateLeases(
-        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET), "replica-a"
+        await Bucket.open(await provisioned_leases(nc.jetstream(), 30), BUCKET),
+        await Presence.started(nc, "replica-a"),
     )
     a = await replica(driver, nc, a_leases)
-    b_leases = await open_leases(await provisioned_leases(nc.jetstream(), 30), "replica-b")
+    b_leases = await open_leases(nc, await provisioned_leases(nc.jetstream(), 30), "replica-b")
     conv = await a.work.catch_up(Conversation(session))
     event = await message_event(driver, session, "oi")
     message = event.id

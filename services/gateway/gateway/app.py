@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.trace import Span
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -93,8 +92,11 @@ def build_app(hub: Hub) -> ASGIApp:
     served: ASGIApp = _Sockets(hub, guarded)
     if tracing_on():
         # Only when spans are recorded: the middleware costs time on every request even
-        # unrecorded. A span per request and per WebSocket connection, none per message
-        # sent or received (a token's frame must stay cheap).
+        # unrecorded, and its import a tenth of a second of every start (a restarted
+        # gateway's people wait for it). A span per request and per WebSocket connection,
+        # none per message sent or received (a token's frame must stay cheap).
+        from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
         served = OpenTelemetryMiddleware(
             served,
             exclude_spans=["receive", "send"],

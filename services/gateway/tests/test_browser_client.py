@@ -193,6 +193,75 @@ async def test_a_reader_who_scrolled_up_is_left_there_and_one_at_the_end_follows
 
 
 @pytest.mark.timeout(60)
+async def test_a_lost_socket_is_tried_again_in_the_upper_half_of_a_doubling_ceiling(
+    gateway: Gateway, browser: Browsing
+) -> None:
+    """The page's reconnect waits in the upper half of a ceiling that doubles from half a
+    second to ten: the people of a gateway that died come back spread out, the more so
+    the longer it stays down. `bench/chaos.py` reads these numbers from the client and
+    follows the same schedule (tests/test_chaos_person.py)."""
+    page = await browser.new_page()
+    await page.goto(f"{gateway.url}/?token={gateway.token()}")
+    delay = "async ([n, r]) => (await import('/connection.js')).retryDelay(n, () => r)"
+    ceilings = [await page.evaluate(delay, [n, 1.0]) for n in range(7)]
+    assert ceilings == [500, 1000, 2000, 4000, 8000, 10000, 10000]
+    assert [await page.evaluate(delay, [n, 0.0]) for n in range(6)] == [
+        250,
+        500,
+        1000,
+        2000,
+        4000,
+        5000,
+    ]
+
+
+async def test_a_refused_join_is_tried_again_on_the_back_off_not_after_the_join_timeout(
+    gateway: Gateway, browser: Browsing
+) -> None:
+    """A join the gateway answers with an error (the log restarting: `unavailable`) left
+    the socket open, not live, until the page's 10 s join timeout: a person waited that
+    long once the log was back. It is a failed try now: the socket is closed at once and
+    the next one opened on the back-off. The page's clock is frozen, so no timer can
+    close the refused socket: only the refusal does."""
+    page = await browser.new_page()
+    await page.clock.install()  # before the pages load: their timers are the clock's
+    await session_on_page(gateway, page)
+    sockets: list[WebSocketRoute] = []
+    closed: list[int] = []
+
+    def route(ws: WebSocketRoute) -> None:
+        index = len(sockets)
+        sockets.append(ws)
+        if index > 0:  # the gateway itself from the second socket on
+            server = ws.connect_to_server()
+            ws.on_message(server.send)
+            server.on_message(ws.send)
+            return
+
+        def refuse(message: str | bytes) -> None:
+            frame = json.loads(message)
+            if frame["type"] == "join":
+                error = {"type": "error", "code": "unavailable", "message": "restarting"}
+                ws.send(json.dumps({**error, "ref": frame.get("ref")}))
+
+        async def on_close(code: int | None, reason: str | None) -> None:
+            closed.append(index)
+            await ws.close(code=code, reason=reason)  # the close handshake, handled here
+
+        ws.on_message(refuse)
+        ws.on_close(on_close)
+
+    await page.route_web_socket("**/ws?*", route)
+    await page.clock.pause_at(await page.evaluate("Date.now() + 1000"))  # from now on, frozen
+    await page.evaluate("window.agentbusConnection.drop()")
+    await page.clock.run_for(1_000)  # the first try after a lost socket: within 0.5 s
+    await wait_for(lambda: closed, timeout=30, what="the page to close the refused socket")
+    assert len(sockets) == 1
+    await page.clock.run_for(2_000)  # the next try: within 1 s
+    await page.locator('#connection[data-state="live"]').wait_for(state="attached")
+    assert len(sockets) == 2
+
+
 async def test_the_token_moves_from_the_address_into_session_storage(
     gateway: Gateway, browser: Browsing
 ) -> None:

@@ -1,10 +1,9 @@
 // The page's WebSocket to the gateway, kept open: reconnects with a capped, jittered
-// exponential backoff (a fixed 1 s retry made every client of a restarted gateway come
-// back in the same second), says which state it is in, and re-joins the session from the
-// last `seq` the page holds, so nothing is missed and nothing is repeated. Each socket is
-// opened with a fresh single-use ticket (`address()`): the token never goes in its URL.
-// 4401: the ticket was refused or the token expired (the reason says which): retrying
-// cannot help, the person needs a new link.
+// exponential backoff (`retryDelay`), says which state it is in, and re-joins the session
+// from the last `seq` the page holds, so nothing is missed and nothing is repeated. Each
+// socket is opened with a fresh single-use ticket (`address()`): the token never goes in
+// its URL. 4401: the ticket was refused or the token expired (the reason says which):
+// retrying cannot help, the person needs a new link.
 const CLOSE_UNAUTHORIZED = 4401;
 const FIRST_RETRY_MS = 500;
 const MAX_RETRY_MS = 10_000;
@@ -14,6 +13,18 @@ const JOIN_TIMEOUT_MS = 10_000;
 
 // What `address()` throws when the token is refused: no socket can be opened with it.
 export class Refused extends Error {}
+
+// How long to wait before the next try, after `failures` tries since the socket was last
+// live (0: it was just lost): in the upper half of a ceiling that doubles from
+// FIRST_RETRY_MS to MAX_RETRY_MS. Jittered, so the clients of a gateway that died come
+// back spread out (a fixed 1 s retry made them all come back in the same second); the
+// ceiling is what spreads a long outage's returns: a lower one gets people back sooner
+// but brings them to a starting gateway faster (bench/chaos.py --storm measures both).
+// `random()`: in [0, 1).
+export function retryDelay(failures, random = Math.random) {
+  const ceiling = Math.min(MAX_RETRY_MS, FIRST_RETRY_MS * 2 ** failures);
+  return ceiling / 2 + random() * (ceiling / 2);
+}
 
 export class Connection {
   // address(): the URL of the next socket (a promise; `Refused` when the token is);
@@ -56,6 +67,11 @@ export class Connection {
         clearTimeout(joinTimer);
         this.failures = 0;
         this.onState("live");
+      } else if (frame.type === "error" && frame.ref === "join") {
+        // Refused (the log restarting: `unavailable`): a failed try, closed now and tried
+        // again on the back-off, not left open until JOIN_TIMEOUT_MS.
+        clearTimeout(joinTimer);
+        ws.close();
       }
       this.onFrame(frame);
     };
@@ -75,8 +91,7 @@ export class Connection {
   }
 
   retry() {
-    const ceiling = Math.min(MAX_RETRY_MS, FIRST_RETRY_MS * 2 ** this.failures);
-    const wait = ceiling / 2 + Math.random() * (ceiling / 2);
+    const wait = retryDelay(this.failures);
     this.failures += 1;
     this.onState("reconnecting", Math.ceil(wait / 1000));
     this.nextTry = setTimeout(() => this.open(), wait);

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import anthropic
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from contracts import subjects
 from contracts.common import ErrorCode
@@ -19,14 +27,16 @@ from contracts.metering import (
     LlmStream,
     TextBlock,
     TokenUsage,
+    ToolResultBlock,
+    ToolSpec,
     ToolUseBlock,
     TurnDelta,
     TurnReply,
 )
 from domain.metering import cost_micros
 from metering.app import build_provider
-from metering.providers.anthropic import AnthropicProvider
-from metering.providers.base import Progress, ProviderError, ProviderRequest
+from metering.providers.anthropic import AnthropicProvider, build_params
+from metering.providers.base import Progress, Provider, ProviderError, ProviderRequest
 from metering.settings import MeteringSettings
 from servicekit.client import call
 from testkit.fake_messages_api import (
@@ -41,8 +51,10 @@ from testkit.fake_messages_api import (
     text_block,
     tool_block,
 )
+from testkit.fake_sse import Recorded
 from testkit.metering import Starter
 from testkit.probes import subscribed, wait_for
+from testkit.spans import recorded_spans
 
 from .test_metering_service import SONNET
 
@@ -469,6 +481,163 @@ async def test_a_streamed_reply_builds_no_sdk_model_per_event(
     await llm.close()
     assert reply.content == [TextBlock(text="a b c")]
     assert built == []
+
+
+def conversation(turns: int, model: str = "claude-sonnet-4-6") -> ProviderRequest:
+    """A turn carrying what a request can: a system prompt, a tool, text and tool blocks
+    (tool_use, tool_result), text beyond ASCII, and `turns` exchanges of history before the
+    person's last message (both cache breakpoints)."""
+    history: list[ChatMessage] = []
+    for i in range(turns):
+        history += [
+            ChatMessage(role="user", content=f"Pão de queijo até às 17h? ({i})"),
+            ChatMessage(
+                role="assistant",
+                content=[
+                    TextBlock(text="Recording it ✓"),
+                    ToolUseBlock(id=f"toolu_{i}", name="emit_artifact", input={"title": "Hours"}),
+                ],
+            ),
+            ChatMessage(
+                role="user", content=[ToolResultBlock(tool_use_id=f"toolu_{i}", content="saved")]
+            ),
+            ChatMessage(role="assistant", content="Saved. What else?"),
+        ]
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}}
+    return ProviderRequest(
+        model=model,
+        agent_slug="criativo",
+        system="You are Criativo. Açúcar, café.",
+        messages=[*history, ChatMessage(role="user", content="Orders close at 18h.")],
+        tools=[ToolSpec(name="emit_artifact", description="Record it.", input_schema=schema)],
+        max_tokens=500,
+    )
+
+
+def a_reply(streams: bool) -> Reply:
+    if streams:
+        return streamed(message_start(5), text_block(0, ["ok"]), message_delta(1), MESSAGE_STOP)
+    return Reply(body=message_body("ok", 5, 1))
+
+
+# The headers the Messages API reads; the SDK's others (its version, the platform) are
+# its own business.
+HEADERS_READ = ("x-api-key", "authorization", "anthropic-version", "content-type")
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["stream", "whole"])
+async def test_the_request_sent_is_the_one_the_sdks_create_writes_for_it(
+    fake: FakeMessagesApi, streams: bool
+) -> None:
+    request = conversation(2)
+    fake.replies.extend([a_reply(streams), a_reply(streams)])
+    llm = provider(fake)
+    await llm.complete(request, Progress(), Texts() if streams else None)
+    await llm.close()
+    ours = fake.requests[-1]
+
+    sdk = anthropic.AsyncAnthropic(api_key="test-key", base_url=fake.base_url, max_retries=0)
+    if streams:
+        async for _ in await sdk.messages.create(**build_params(request), stream=True):
+            pass
+    else:
+        await sdk.messages.create(**build_params(request))
+    await sdk.close()
+    theirs = fake.requests[-1]
+
+    assert_same_request(ours, theirs, "/v1/messages", HEADERS_READ)
+
+
+def assert_same_request(
+    ours: Recorded, theirs: Recorded, path: str, headers: Sequence[str]
+) -> None:
+    """The same path, JSON body and `headers`, and a body of the same length: written as
+    compactly, its text as UTF-8 (not \\u escapes)."""
+    assert ours.path == theirs.path == path
+    assert ours.body == theirs.body
+    assert [ours.headers.get(h) for h in headers] == [theirs.headers.get(h) for h in headers]
+    assert ours.headers["content-length"] == theirs.headers["content-length"]
+
+
+async def sdk_calls(package_file: str, work: Awaitable[Any]) -> int:
+    """How many Python function calls were made inside a package's files while `work`
+    ran (a coroutine resumed after an await is the same call; the fake, in this thread
+    too, is in no package's files)."""
+    root = str(Path(package_file).parent)
+    called: dict[int, FrameType] = {}  # held, so that no frame's id is reused meanwhile
+
+    def hook(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            called[id(frame)] = frame
+
+    # Nor is a finalizer the garbage collector would run meanwhile (an earlier test's
+    # client): it runs before, or after.
+    gc.collect()
+    gc.disable()
+    sys.setprofile(hook)
+    try:
+        await work
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return len(called)
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["stream", "whole"])
+async def test_the_sdks_work_for_a_call_does_not_grow_with_the_conversation(
+    fake: FakeMessagesApi, streams: bool
+) -> None:
+    # A burst of turns starting at once pays each call's start one after another: the
+    # SDK walking and copying the whole conversation (and then writing it) on every
+    # call made a long conversation's turn start later. The body is handed over written.
+    llm, sdk = provider(fake), anthropic.__file__
+    short, long = await sdk_calls_short_and_long(
+        llm, sdk, lambda: fake.replies.append(a_reply(streams)), REQUEST.model, streams
+    )
+    assert short > 0  # the SDK sent both
+    assert long == short
+
+
+async def sdk_calls_short_and_long(
+    llm: Provider, sdk_file: str, next_reply: Callable[[], None], model: str, streams: bool
+) -> tuple[int, int]:
+    """The SDK's calls (`sdk_calls`) during a call of a short conversation and during one
+    forty times as long, after a first call not counted (its one-time work: the
+    platform's name, lazy imports); `next_reply` queues each call's answer."""
+    counts = []
+    for turns in (1, 1, 40):
+        next_reply()
+        call = llm.complete(conversation(turns, model), Progress(), Texts() if streams else None)
+        counts.append(await sdk_calls(sdk_file, call))
+    await llm.close()
+    return counts[1], counts[2]
+
+
+@pytest.fixture(scope="module")
+def spans() -> Iterator[InMemorySpanExporter]:
+    yield from recorded_spans()
+
+
+def traceparent_of(span: ReadableSpan) -> str:
+    context = span.get_span_context()
+    assert context is not None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+async def test_a_call_is_one_span_and_the_provider_hears_its_trace_context(
+    fake: FakeMessagesApi, spans: InMemorySpanExporter
+) -> None:
+    # A trace shows a provider call once, with the usage it was billed for; a provider
+    # that joins traces hangs its own under that span.
+    spans.clear()
+    fake.replies.append(a_reply(True))
+    llm = provider(fake)
+    await llm.complete(REQUEST, Progress(), Texts())
+    await llm.close()
+    (call_span,) = spans.get_finished_spans()
+    assert (call_span.name, call_span.kind) == ("chat claude-sonnet-4-6", SpanKind.CLIENT)
+    assert (call_span.attributes or {})["gen_ai.usage.output_tokens"] == 1
+    assert fake.requests[-1].headers["traceparent"] == traceparent_of(call_span)
 
 
 class CountingFake(FakeMessagesApi):

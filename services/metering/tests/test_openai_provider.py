@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import date
 
+import openai
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from contracts import subjects
 from contracts.common import ErrorCode
@@ -45,7 +47,14 @@ from testkit.fake_chat_api import (
 )
 from testkit.metering import Metering, Starter
 from testkit.probes import wait_for
+from testkit.spans import recorded_spans
 
+from .test_anthropic_provider import (
+    assert_same_request,
+    conversation,
+    sdk_calls_short_and_long,
+    traceparent_of,
+)
 from .test_cancel import billed, cancel, order, start, usage_of, watch
 from .test_metering_service import bind
 
@@ -559,3 +568,57 @@ async def test_a_streamed_reply_builds_no_sdk_model_per_chunk(
     assert reply.content == [TextBlock(text="a b c")]
     assert progress.usage == TokenUsage(input_tokens=9, output_tokens=3)
     assert built == []
+
+
+# The headers a Chat Completions server reads.
+HEADERS_READ = ("authorization", "content-type")
+
+
+async def test_the_request_sent_is_the_one_the_sdks_create_writes_for_it(fake: FakeChatApi) -> None:
+    request = conversation(2, LOCAL)
+    fake.replies.extend([text_reply(["ok"]), text_reply(["ok"])])
+    llm = provider(fake)
+    await llm.complete(request, Progress(), Texts())
+    await llm.close()
+    ours = fake.requests[-1]
+
+    sdk = openai.AsyncOpenAI(api_key="test-key", base_url=fake.base_url, max_retries=0)
+    async for _ in await sdk.chat.completions.create(**openai_params(request)):
+        pass
+    await sdk.close()
+    theirs = fake.requests[-1]
+
+    assert_same_request(ours, theirs, "/v1/chat/completions", HEADERS_READ)
+
+
+async def test_the_sdks_work_for_a_call_does_not_grow_with_the_conversation(
+    fake: FakeChatApi,
+) -> None:
+    # The SDK transformed the whole conversation by its types on every call (and then
+    # wrote it), paid one call after another by a burst of turns starting at once. The
+    # body is handed over written.
+    llm, sdk = provider(fake), openai.__file__
+    short, long = await sdk_calls_short_and_long(
+        llm, sdk, lambda: fake.replies.append(text_reply(["ok"])), LOCAL, streams=True
+    )
+    assert short > 0  # the SDK sent both
+    assert long == short
+
+
+@pytest.fixture(scope="module")
+def spans() -> Iterator[InMemorySpanExporter]:
+    yield from recorded_spans()
+
+
+async def test_a_call_is_one_span_and_the_server_hears_its_trace_context(
+    fake: FakeChatApi, spans: InMemorySpanExporter
+) -> None:
+    # A server that joins traces (vLLM can) hangs its own span under the call's.
+    spans.clear()
+    fake.replies.append(text_reply(["ok"], prompt=5, completion=1))
+    llm = provider(fake)
+    await llm.complete(REQUEST, Progress(), Texts())
+    await llm.close()
+    (call_span,) = spans.get_finished_spans()
+    assert call_span.name == f"chat {LOCAL}"
+    assert fake.requests[-1].headers["traceparent"] == traceparent_of(call_span)

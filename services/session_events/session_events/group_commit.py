@@ -3,6 +3,9 @@
 Each append is validated on its own first (type, payload, size: `handlers.append`), then
 waits here. While a batch is being written the next appends gather, and the next batch
 takes them all. With one producer a batch is one append, so nothing waits for a timer.
+Up to `MAX_IN_FLIGHT` batches are written at once, each of sessions no other batch being
+written holds: while one waits for its commit (the WAL's flush) the next is read, decided
+and written beside it, and a session's appends still go one batch after another.
 
 A batch costs two round trips and holds no lock while Python decides: one statement reads
 its sessions, the events its idempotency keys already wrote, its causes and the rules it
@@ -56,6 +59,8 @@ from session_events.repository import (
 
 # The most appends one transaction takes; the rest wait for the next batch.
 MAX_BATCH = 256
+# The most batches written at once (each of other sessions than the rest).
+MAX_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -149,11 +154,16 @@ class _RuleRetiredMeanwhile(Exception):
 class GroupCommit:
     """Gathers concurrent appends into shared transactions (see the module's docstring)."""
 
-    def __init__(self, repo: LogRepository, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self, repo: LogRepository, max_batch: int = MAX_BATCH, max_in_flight: int = MAX_IN_FLIGHT
+    ) -> None:
         self._repo = repo
         self._max_batch = max_batch
+        self._max_in_flight = max_in_flight
         self._waiting: list[Waiting] = []
-        self._writer: asyncio.Task[None] | None = None
+        self._writing: set[UUID] = set()  # the sessions of the batches being written
+        self._in_flight = 0
+        self._writers: set[asyncio.Task[None]] = set()  # referenced until done
         self.batches = 0  # batches written or tried, for tests and benches
         self.decided_again = 0  # batches whose unlocked read went stale before their write
 
@@ -185,8 +195,7 @@ class GroupCommit:
             self._waiting.append((p, answer, last.get(p.session_id) if chained else None))
             last[p.session_id] = answer
             answers.append(answer)
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write_while_waiting())
+        self._start_writers()
         return answers
 
     @staticmethod
@@ -203,11 +212,36 @@ class GroupCommit:
         trace = inject_headers() if trace is None else trace
         return Pending(session_id, event_type, actor, payload, causation_id, idempotency_key, trace)
 
+    def _start_writers(self) -> None:
+        # A writer takes its batch when it first runs, so appends enqueued together (an
+        # `asyncio.gather`, a request's many) are in it.
+        if self._in_flight < self._max_in_flight:
+            self._in_flight += 1
+            writer = asyncio.create_task(self._write_while_waiting())
+            self._writers.add(writer)
+            writer.add_done_callback(self._writers.discard)
+
     async def _write_while_waiting(self) -> None:
-        while self._waiting:
-            batch = self._waiting[: self._max_batch]
-            del self._waiting[: self._max_batch]
-            await self._commit(batch)
+        try:
+            while batch := self._next_batch():
+                try:
+                    await self._commit(batch)
+                finally:
+                    self._writing.difference_update(p.session_id for p, _, _ in batch)
+        finally:
+            self._in_flight -= 1
+
+    def _next_batch(self) -> list[Waiting]:
+        """The waiting appends of the sessions no batch being written holds, in the order
+        they came, up to `max_batch`; their sessions are held until it is written."""
+        batch: list[Waiting] = []
+        later: list[Waiting] = []
+        for waiting in self._waiting:
+            free = waiting[0].session_id not in self._writing
+            (batch if free and len(batch) < self._max_batch else later).append(waiting)
+        self._waiting = later
+        self._writing.update(p.session_id for p, _, _ in batch)
+        return batch
 
     async def _commit(self, batch: list[Waiting]) -> None:
         batch = [w for w in batch if not _held_back(w)]

@@ -283,6 +283,29 @@ async def test_a_batch_whose_session_moved_after_its_read_is_decided_again_under
     assert [r["t"] for r in texts] == ["theirs", "mine"]
 
 
+async def test_a_batch_waiting_on_its_write_holds_up_no_other_session(
+    open_session: Any, pool: asyncpg.Pool, appender: GroupCommit
+) -> None:
+    """While one batch waits on its write (here for a row lock, as behind a slow commit),
+    appends to other sessions go in a batch of their own and are answered; appends to its
+    session wait for it and follow it in order, decided once (never beside it)."""
+    held, free = (await open_session()).session_id, (await open_session()).session_id
+    async with pool.acquire() as other, other.transaction():
+        await other.execute("SELECT FROM sessions WHERE id = $1 FOR UPDATE", held)
+        first = asyncio.ensure_future(appender.append(chat(held, "first")))
+        await wait_for(
+            lambda: _waiting_for_a_lock(pool), what="the first batch's write to wait for the row"
+        )
+        behind = asyncio.ensure_future(appender.append(chat(held, "behind")))
+        meanwhile = asyncio.ensure_future(appender.append(chat(free, "meanwhile")))
+        await wait_for(meanwhile.done, what="the other session's append, written meanwhile")
+        assert not first.done() and not behind.done()
+    assert (await meanwhile).seq == 2
+    assert [(await first).seq, (await behind).seq] == [2, 3]
+    assert appender.decided_again == 0
+    assert await seqs_of(pool, held) == [1, 2, 3]
+
+
 async def _waiting_for_a_lock(pool: asyncpg.Pool) -> bool:
     waiting: bool = await pool.fetchval(
         # The statement's start: `pg_stat_activity` keeps only its first 1 KiB.

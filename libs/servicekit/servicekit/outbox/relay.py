@@ -3,7 +3,8 @@
 It claims committed rows with a **lease** (`CLAIM`: one statement, committing on its
 own, that marks the rows its own until `leased_until`), hands them to its sender
 (`JetStreamPublisher`, `CommandSender`) holding no transaction and no lock while the
-receiver answers, then deletes what was delivered (one statement). A relay that dies
+receiver answers, then deletes what was delivered: in its next claim when that comes at
+once (`CLAIM_AFTER_DELIVERY`, one statement a batch), else alone. A relay that dies
 holding a lease leaves its rows to whichever relay claims them once the lease expired;
 one whose lease expired while it was still sending has lost them: whatever it writes
 afterwards names its lease (`lease = $n`) and changes nothing. Either way a row may be
@@ -133,6 +134,32 @@ RETURNING id, subject, msg_id, body, headers, attempts, ordering_key,
           {_UNSYNCED} AS unsynced
 """
 
+# A claim that also deletes the rows the relay's previous claim delivered (`$4`, under
+# its lease `$5`): a batch costs the relay one statement fewer. Until this statement
+# deletes them those rows keep their lease, so other relays still pass over their keys;
+# this one passes over them (neither claimable, nor busy, nor the row a claimed row of
+# their key must follow), as it will see them once deleted.
+_NOT_DELIVERED = "NOT ({t}.id = ANY($4::bigint[]) AND {t}.lease IS NOT DISTINCT FROM $5)"
+CLAIM_AFTER_DELIVERY = (
+    "WITH delivered AS (DELETE FROM outbox WHERE id = ANY($4::bigint[]) AND lease = $5 "
+    f"RETURNING {_UNSYNCED})"
+    + CLAIM.replace(
+        "AND (leased_until IS NULL OR leased_until <= now())",
+        "AND (leased_until IS NULL OR leased_until <= now()) AND " + _NOT_DELIVERED.format(t="o"),
+    )
+    .replace(
+        "AND busy.ordering_key IS NOT NULL",
+        "AND busy.ordering_key IS NOT NULL AND " + _NOT_DELIVERED.format(t="busy"),
+    )
+    .replace(
+        "WHERE older.ordering_key IS NOT NULL",
+        "WHERE older.ordering_key IS NOT NULL AND " + _NOT_DELIVERED.format(t="older"),
+    )
+)
+# How long a relay with nothing left to claim keeps the rows it delivered for its next
+# claim to delete, waiting for a wake-up, before deleting them alone. Short: meanwhile
+# another relay passes over their keys (their lease is live).
+SETTLE_WAIT_SECONDS = 0.01
 # The claim of one key's rows (`OutboxRelay.deliver_now`), `$4` the key.
 CLAIM_KEY = CLAIM.replace(
     "WHERE available_at <= now()", "WHERE ordering_key = $4 AND available_at <= now()"
@@ -184,6 +211,8 @@ class OutboxRelay:
         self._poll = poll_seconds
         self._lease = lease_seconds
         self._wake = asyncio.Event()
+        # The lease and ids of the rows this relay delivered and has not deleted yet.
+        self._delivered: tuple[uuid.UUID, list[int]] | None = None
         self.delivered = 0
         self.dead_lettered = 0
 
@@ -193,19 +222,28 @@ class OutboxRelay:
         try:
             while True:
                 try:
-                    while await self.drain_once() == self._batch:
+                    while await self._drain() == self._batch:
                         raise_if_cancelling()
+                    if self._delivered and not await self._woken_within(SETTLE_WAIT_SECONDS):
+                        await self._settle()  # no claim comes soon to delete them
                 except (asyncpg.PostgresError, OSError) as exc:
                     log.warning("outbox_drain_failed", error=repr(exc))
                 raise_if_cancelling()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._poll):
-                        await self._wake.wait()
+                await self._woken_within(self._poll)
                 self._wake.clear()
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
+            with contextlib.suppress(Exception):  # stopping: not left for the lease to expire
+                async with asyncio.timeout(self._lease):
+                    await self._settle()
+
+    async def _woken_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        return self._wake.is_set()
 
     def wake(self) -> None:
         """Rows were just committed by this process: drain now, without their NOTIFY
@@ -232,14 +270,35 @@ class OutboxRelay:
             return False
 
     async def drain_once(self, key: str | None = None) -> int:
-        """Claim, deliver and settle one batch (of `key`'s rows only, when given); return
-        how many rows were claimed."""
+        """Claim, deliver and settle one batch (of `key`'s rows only, when given), its
+        delivered rows deleted before it returns; return how many rows were claimed."""
+        if key is not None:
+            await self._settle()  # rows of the key this relay delivered would hold it
+        claimed = await self._drain(key)
+        await self._settle()
+        return claimed
+
+    async def _drain(self, key: str | None = None) -> int:
+        """`drain_once`, leaving the rows it delivered for the next claim to delete."""
         lease = uuid.uuid4()  # this claim's: what it writes later changes its rows only
-        claimed = await (
-            self._pool.fetch(CLAIM, self._batch, self._lease, lease)
-            if key is None
-            else self._pool.fetch(CLAIM_KEY, self._batch, self._lease, lease, key)
-        )
+        if key is not None:
+            claimed = await self._pool.fetch(CLAIM_KEY, self._batch, self._lease, lease, key)
+        elif (delivered := self._delivered) is None:
+            claimed = await self._pool.fetch(CLAIM, self._batch, self._lease, lease)
+        else:
+            self._delivered = None
+            try:
+                claimed = await self._pool.fetch(
+                    CLAIM_AFTER_DELIVERY,
+                    self._batch,
+                    self._lease,
+                    lease,
+                    delivered[1],
+                    delivered[0],
+                )
+            except BaseException:
+                self._delivered = self._delivered or delivered  # nothing was deleted
+                raise
         if not claimed:
             return 0
         try:
@@ -267,7 +326,7 @@ class OutboxRelay:
         outcomes = list(zip(rows, results, strict=True))
         delivered = [row.id for row, d in outcomes if d.error is None and not d.permanent]
         if delivered:
-            await self._pool.execute(DELIVERED_ROWS, delivered, lease)
+            await self._keep_delivered(lease, delivered)
         retried = [(row, d) for row, d in outcomes if d.error is not None and not d.permanent]
         if retried:
             await self._retry(lease, retried)
@@ -276,6 +335,25 @@ class OutboxRelay:
                 await self._dead_letter(lease, row, delivery.error or "")
         self.delivered += sum(d.error is None for d in results)
         return len(rows) + len(held)
+
+    async def _keep_delivered(self, lease: uuid.UUID, ids: list[int]) -> None:
+        """Leave delivered rows for the next claim to delete (`CLAIM_AFTER_DELIVERY`);
+        deleted now when rows of another claim already wait (`deliver_now` beside `run`)."""
+        if self._delivered is None:
+            self._delivered = (lease, ids)
+        else:
+            await self._pool.execute(DELIVERED_ROWS, ids, lease)
+
+    async def _settle(self) -> None:
+        """Delete the rows this relay delivered and has not deleted yet."""
+        if (delivered := self._delivered) is None:
+            return
+        self._delivered = None
+        try:
+            await self._pool.execute(DELIVERED_ROWS, delivered[1], delivered[0])
+        except BaseException:
+            self._delivered = self._delivered or delivered  # nothing was deleted
+            raise
 
     async def _give_back(self, lease: uuid.UUID, claimed: Sequence[asyncpg.Record]) -> None:
         """Release rows that may not go yet, as they were: the next claim, with a snapshot

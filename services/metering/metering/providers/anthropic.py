@@ -1,12 +1,19 @@
 """The `anthropic` provider: the official SDK's async client, behind metering only.
 
-- Turns use `messages.create`; streaming turns read the raw SSE body of
-  `messages.create(stream=True)` (`with_streaming_response`) and assemble the message
-  themselves (`StreamedMessage`): the SDK's stream builds a typed model of every event
-  and of the whole message so far, which cost metering more CPU per token than all the
-  rest of its work. Text is handed on as it arrives; a tool_use block's input, streamed
-  as pieces of JSON, is parsed once, at its `content_block_stop`; event types not
-  listed (thinking, citations, what the API adds later) are skipped.
+- The request's JSON is written here, once per call (`build_params`,
+  `base.request_body`), and sent through the SDK's client (`post`): the SDK adds the
+  key, the API version and its headers, resolves the base URL, sends on its connection
+  pool and raises an error status as its exceptions. Handed a dict (`messages.create`),
+  it would walk and copy the whole conversation on every call before writing it, and
+  trace the call with a span of its own; metering's span of the call is `traced`'s,
+  whose context the provider hears in `traceparent` (decision 0019).
+- A whole turn's answer is parsed by the SDK into its `Message`. A streaming turn reads
+  the raw SSE body and assembles the message itself (`StreamedMessage`): the SDK's
+  stream builds a typed model of every event and of the whole message so far, which
+  cost metering more CPU per token than all the rest of its work. Text is handed on as
+  it arrives; a tool_use block's input, streamed as pieces of JSON, is parsed once, at
+  its `content_block_stop`; event types not listed (thinking, citations, what the API
+  adds later) are skipped.
 - Usage: `message_start` carries input and cache tokens; every `message_delta`
   carries *cumulative* counts, so the last one seen is kept, never summed. A call
   that fails or is cancelled mid-stream is billed from what was seen; its output
@@ -28,13 +35,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
-from anthropic import APIConnectionError, APIStatusError, AsyncAnthropic, DefaultAsyncHttpxClient
+from anthropic import (
+    APIConnectionError,
+    APIStatusError,
+    AsyncAnthropic,
+    DefaultAsyncHttpxClient,
+    RequestOptions,
+)
 from anthropic.types import Message as SdkMessage
 
 from contracts.common import ErrorCode
@@ -49,15 +63,19 @@ from metering.providers.base import (
     connection_failed,
     estimate_output_tokens,
     http_limits,
+    request_body,
     retry_after,
     sse_data,
     traced,
     with_retries,
 )
 from servicekit.logs import get_logger
+from servicekit.telemetry import inject_headers
 
 log = get_logger(__name__)
 
+# Where the Messages API answers, under the base URL.
+MESSAGES_PATH = "/v1/messages"
 EPHEMERAL = {"type": "ephemeral"}
 RETRYABLE_TYPES = {"overloaded_error", "rate_limit_error", "api_error"}
 
@@ -288,17 +306,23 @@ class AnthropicProvider:
         self, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:
         params = build_params(request)
+        body = request_body(params if on_text is None else params | {"stream": True})
+        # The call's trace context, for a provider that joins traces: the SDK, handed a
+        # body, makes no span of its own, so metering's (`traced`) is the parent.
+        options: RequestOptions = {"headers": inject_headers()}
 
         async def attempt() -> ProviderReply:
             if on_text is None:
-                message = await self._client.messages.create(**params)
+                message = await self._client.post(
+                    MESSAGES_PATH, cast_to=SdkMessage, content=body, options=options
+                )
                 progress.current = usage_of(message.usage.model_dump())
                 return ProviderReply(
                     content=_content(message),
                     stop_reason=message.stop_reason or "end_turn",
                     model=message.model,
                 )
-            streamed = await self._stream(params, progress, on_text)
+            streamed = await self._stream(body, options, progress, on_text)
             return ProviderReply(
                 content=streamed.content(),
                 stop_reason=streamed.stop_reason or "end_turn",
@@ -308,18 +332,15 @@ class AnthropicProvider:
         return await with_retries(attempt, failure_of, progress, self._max_retries, self._sleep)
 
     async def _stream(
-        self, params: dict[str, Any], progress: Progress, on_text: OnText
+        self, body: bytes, options: RequestOptions, progress: Progress, on_text: OnText
     ) -> StreamedMessage:
         message = StreamedMessage()
         texts, chars = 0, 0
         try:
-            # An HTTP error status is raised on entry, as `create` raises it. Leaving the
-            # `async with` early (failed, or cancelled: shutdown, or `cmd.llm.cancel`)
+            # An HTTP error status is raised here, as `messages.create` raises it. Leaving
+            # the `async with` early (failed, or cancelled: shutdown, or `cmd.llm.cancel`)
             # closes the HTTP response: the connection is closed, not drained.
-            async with self._client.messages.with_streaming_response.create(
-                **params, stream=True
-            ) as response:
-                http = response.http_response
+            async with contextlib.aclosing(await self._open(body, options)) as http:
                 async for data in sse_data(http.aiter_bytes()):
                     event = json.loads(data)
                     if event.get("type") == "error":
@@ -345,6 +366,13 @@ class AnthropicProvider:
                 progress.current = progress.current.model_copy(update={"output_tokens": estimate})
             raise
         return message
+
+    async def _open(self, body: bytes, options: RequestOptions) -> httpx2.Response:
+        """The response to a streamed Messages request, its body unread."""
+        response: httpx2.Response = await self._client.post(
+            MESSAGES_PATH, cast_to=httpx2.Response, content=body, options=options, stream=True
+        )
+        return response
 
     async def close(self) -> None:
         await self._client.close()

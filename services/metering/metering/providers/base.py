@@ -9,9 +9,10 @@ produced: a client that drops mid-stream still cost what the provider generated.
 from __future__ import annotations
 
 import functools
+import json
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
@@ -185,6 +186,19 @@ def http_limits(keep_alive: int) -> httpx2.Limits:
         max_keepalive_connections=keep_alive,
         keepalive_expiry=KEEPALIVE_SECONDS,
     )
+
+
+def request_body(params: Mapping[str, Any]) -> bytes:
+    """A request's JSON, written as the SDKs write it (compact, UTF-8 as it is, no NaN), to
+    hand them as the body's bytes.
+
+    Given a dict, an SDK walks and copies all of it on every call (looking for files to
+    read, applying its types' transforms) before writing it: per call, a walk of the whole
+    conversation, paid one call after another by a burst of turns starting at once. The
+    body metering builds is plain JSON already; the SDK still sends it (auth, base URL,
+    headers) and maps the answer's status to its exceptions.
+    """
+    return json.dumps(params, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 # Characters per output token assumed when a stream is cut before its usage arrives.

@@ -4,8 +4,13 @@ LM Studio, or OpenAI itself) through the official `openai` SDK, behind metering 
 - One code path: every call streams, with `stream_options.include_usage`, so usage
   arrives in the last chunk (its `choices` empty) before `[DONE]`. Text is handed on
   only for a streaming turn; a whole turn just collects it. The chunks are read from
-  the raw SSE body (`with_streaming_response`) as plain JSON: the SDK's stream builds a
-  typed model of every chunk, which costs more CPU per token than the rest of metering.
+  the raw SSE body as plain JSON: the SDK's stream builds a typed model of every chunk,
+  which costs more CPU per token than the rest of metering.
+- The request's JSON is written here, once per call (`build_params`,
+  `base.request_body`), and sent through the SDK's client (`post`), which adds the key
+  and its headers, resolves the base URL and raises an error status as its exceptions.
+  Handed a dict (`chat.completions.create`), the SDK would transform the whole
+  conversation by its types on every call before writing it (decision 0019).
 - Translation: the harness speaks Anthropic's blocks (contracts.metering). A
   `tool_use` block becomes an assistant `tool_calls` entry, a `tool_result` block a
   `tool` message right after it, a tool spec a `function` tool; back, the streamed
@@ -27,6 +32,7 @@ LM Studio, or OpenAI itself) through the official `openai` SDK, behind metering 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +45,7 @@ from openai import (
     APIStatusError,
     AsyncOpenAI,
     DefaultAsyncHttpxClient,
+    RequestOptions,
 )
 from pydantic import ValidationError
 
@@ -54,15 +61,19 @@ from metering.providers.base import (
     connection_failed,
     estimate_output_tokens,
     http_limits,
+    request_body,
     retry_after,
     sse_data,
     traced,
     with_retries,
 )
 from servicekit.logs import get_logger
+from servicekit.telemetry import inject_headers
 
 log = get_logger(__name__)
 
+# Where a Chat Completions server answers, under its base URL.
+COMPLETIONS_PATH = "/chat/completions"
 # What the SDK sends when no key is configured: local servers ignore it.
 NO_KEY = "no-key-needed"
 # The harness's stop reasons are Anthropic's; a finish reason not listed passes through.
@@ -308,9 +319,12 @@ class OpenAICompatibleProvider:
         self, request: ProviderRequest, progress: Progress, on_text: OnText | None
     ) -> ProviderReply:
         params = build_params(request)
+        body = request_body(params)
+        # The call's trace context, for a server that joins traces (vLLM can).
+        options: RequestOptions = {"headers": inject_headers()}
 
         async def attempt() -> ProviderReply:
-            reply = await self._stream(params, progress, on_text)
+            reply = await self._stream(params, body, options, progress, on_text)
             try:
                 content = reply.content()
             except ValidationError as exc:
@@ -330,18 +344,20 @@ class OpenAICompatibleProvider:
         return await with_retries(attempt, failure_of, progress, self._max_retries, self._sleep)
 
     async def _stream(
-        self, params: dict[str, Any], progress: Progress, on_text: OnText | None
+        self,
+        params: dict[str, Any],
+        body: bytes,
+        options: RequestOptions,
+        progress: Progress,
+        on_text: OnText | None,
     ) -> _Reply:
         reply = _Reply()
         texts, chars, opened = 0, 0, False
         try:
-            # An HTTP error status is raised on entry. Leaving the `async with` early
-            # closes the HTTP response: a cancel closes the connection, not drains it.
-            async with self._client.chat.completions.with_streaming_response.create(
-                **params
-            ) as response:
+            # An HTTP error status is raised here. Leaving the `async with` early closes
+            # the HTTP response: a cancel closes the connection, not drains it.
+            async with contextlib.aclosing(await self._open(body, options)) as http:
                 opened = True
-                http = response.http_response
                 async for data in sse_data(http.aiter_bytes()):
                     if data.startswith(b"[DONE]"):
                         continue  # the body ends after it: read to the end, kept alive
@@ -377,6 +393,13 @@ class OpenAICompatibleProvider:
                 output_tokens=estimate_output_tokens(texts, chars),
             )
         return reply
+
+    async def _open(self, body: bytes, options: RequestOptions) -> httpx2.Response:
+        """The response to a Chat Completions request (streamed), its body unread."""
+        response: httpx2.Response = await self._client.post(
+            COMPLETIONS_PATH, cast_to=httpx2.Response, content=body, options=options, stream=True
+        )
+        return response
 
     async def close(self) -> None:
         await self._client.close()
