@@ -39,6 +39,7 @@ from contracts.common import ErrorBody, ErrorCode, ErrorReply, Message
 from domain.errors import DomainError
 from servicekit.logs import get_logger
 from servicekit.metrics import COMMAND_ERRORS, COMMAND_SECONDS
+from servicekit.patience import is_unavailable
 from servicekit.telemetry import handling_span
 
 log = get_logger(__name__)
@@ -118,11 +119,15 @@ class _MicroStats:
 def error_body(exc: Exception, subject: str) -> ErrorBody:
     """The coded error a command answers for `exc` (logged): a refusal keeps its code, a
     failure of the store or the bus is `unavailable`, anything else `internal`. Also
-    what a command answering many items gives each failed one (`cmd.events.append_many`)."""
+    what a command answering many items gives each failed one (`cmd.events.append_many`).
+
+    A service this handler asked that is away (no responders, no answer in time, or its
+    own `unavailable`), once the handler's patience ran out, is an outage too: the caller
+    may retry the same request, where `internal` would tell it the request is at fault."""
     if isinstance(exc, DomainError):
         log.info("command_refused", subject=subject, code=exc.code, reason=exc.message)
         return ErrorBody(code=exc.code, message=exc.message, details=exc.details)
-    if isinstance(exc, UNAVAILABLE_ERRORS):
+    if isinstance(exc, UNAVAILABLE_ERRORS) or is_unavailable(exc):
         log.warning("command_unavailable", subject=subject, error=repr(exc))
         message = f"temporarily unavailable, retry: {exc!r}"
         return ErrorBody(code=ErrorCode.UNAVAILABLE.value, message=message)

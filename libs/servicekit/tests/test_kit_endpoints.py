@@ -13,7 +13,7 @@ import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from nats.errors import MaxPayloadError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.micro.service import Service
 from pydantic import Field
 
@@ -69,6 +69,14 @@ class Toy:
         @endpoints.command(self.subject("store_down"), Add)
         async def store_down(request: Add) -> Sum:
             raise ConnectionRefusedError("the database is not there")
+
+        @endpoints.command(self.subject("dependency_gone"), Add)
+        async def dependency_gone(request: Add) -> Sum:
+            raise NoRespondersError  # what asking a service nobody runs raises
+
+        @endpoints.command(self.subject("dependency_unavailable"), Add)
+        async def dependency_unavailable(request: Add) -> Sum:
+            raise CommandFailed(ErrorCode.UNAVAILABLE, "its database is away")
 
         @endpoints.command(self.subject("slow"), Add)
         async def slow(request: Add) -> Sum:
@@ -200,6 +208,21 @@ async def test_a_store_or_bus_failure_is_unavailable_so_the_caller_may_retry(
     assert refusal.value.message.startswith("temporarily unavailable, retry")
 
 
+@pytest.mark.parametrize("verb", ["dependency_gone", "dependency_unavailable"])
+async def test_a_service_the_handler_asked_being_away_is_unavailable_not_internal(
+    nc: Client, start_toy: StartToy, verb: str
+) -> None:
+    """Its patience ran out (`servicekit.patience`): the same request may succeed once the
+    dependency is back, so the caller is told to retry, not that its request failed."""
+    toy = await start_toy()
+
+    with pytest.raises(CommandFailed) as refusal:
+        await call(nc, toy.subject(verb), Add(a=1, b=1), Sum)
+
+    assert refusal.value.code == ErrorCode.UNAVAILABLE
+    assert refusal.value.message.startswith("temporarily unavailable, retry")
+
+
 async def test_a_request_over_the_size_limit_is_refused_before_parsing(
     nc: Client, start_toy: StartToy
 ) -> None:
@@ -241,7 +264,16 @@ async def test_the_service_answers_the_micro_discovery_requests(
     assert ping["metadata"]["instance"] == "replica-a"
     assert info["description"] == "A toy service for servicekit's tests."
     assert {e["subject"] for e in info["endpoints"]} == {
-        toy.subject(verb) for verb in ("add", "refuse", "crash", "store_down", "slow")
+        toy.subject(verb)
+        for verb in (
+            "add",
+            "refuse",
+            "crash",
+            "store_down",
+            "dependency_gone",
+            "dependency_unavailable",
+            "slow",
+        )
     }
     add_info = next(e for e in info["endpoints"] if e["subject"] == toy.subject("add"))
     assert add_info["queue_group"] == toy.name  # replicas share the load
