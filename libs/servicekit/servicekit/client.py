@@ -101,6 +101,19 @@ async def announced(nc: Client, service: str, timeout: float = 1.0) -> dict[str,
     return metadata if isinstance(metadata, dict) else {}
 
 
+async def listened(nc: Client, subject: str, timeout: float) -> bool | None:
+    """Whether anyone listens on `subject`, asked with an empty request: False when NATS
+    says no responders (no connection subscribes there), True when one answered, None
+    when it is not known (no answer in time, or this connection is down)."""
+    try:
+        await nc.request(subject, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        return False
+    except Exception:
+        return None
+    return True
+
+
 class Caller(Protocol):
     """How a client sends a command: `call` on a connection, or a caller's own door that
     adds its policy (the gateway's turns every failure into a `DomainError`)."""

@@ -22,9 +22,9 @@ import uuid
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
 
 from contracts import subjects
+from servicekit.client import listened
 from servicekit.logs import get_logger
 
 log = get_logger(__name__)
@@ -76,13 +76,10 @@ class Presence:
         for attempt in range(2):
             if attempt:
                 await asyncio.sleep(GRACE_SECONDS)
-            try:
-                await self._nc.request(subject, b"", timeout=ASK_TIMEOUT_SECONDS)
-            except NoRespondersError:
-                continue
-            except Exception:  # no answer in time, or our own connection down: not known gone
+            # Only "nobody listens" counts: no answer in time, or our own connection
+            # down, is not known gone.
+            if await listened(self._nc, subject, ASK_TIMEOUT_SECONDS) is not False:
                 return False
-            return False
         log.info("lease_holder_gone", holder=holder.decode(errors="replace"))
         return True
 
