@@ -140,21 +140,32 @@ RETURNING id, subject, msg_id, body, headers, attempts, ordering_key,
 # this one passes over them (neither claimable, nor busy, nor the row a claimed row of
 # their key must follow), as it will see them once deleted.
 _NOT_DELIVERED = "NOT ({t}.id = ANY($4::bigint[]) AND {t}.lease IS NOT DISTINCT FROM $5)"
+
+
+def _and_after(statement: str, clause: str, condition: str) -> str:
+    """`statement` with `condition` ANDed to `clause`, which it must hold exactly once: a
+    claim edited out of step with this one fails at import instead of losing a guard."""
+    if statement.count(clause) != 1:
+        raise ValueError(f"the claim holds {clause!r} {statement.count(clause)} times, not once")
+    return statement.replace(clause, f"{clause} AND {condition}")
+
+
+_CLAIM_PASSING_OVER_DELIVERED = _and_after(
+    _and_after(
+        _and_after(
+            CLAIM,
+            "AND (leased_until IS NULL OR leased_until <= now())",
+            _NOT_DELIVERED.format(t="o"),
+        ),
+        "AND busy.ordering_key IS NOT NULL",
+        _NOT_DELIVERED.format(t="busy"),
+    ),
+    "WHERE older.ordering_key IS NOT NULL",
+    _NOT_DELIVERED.format(t="older"),
+)
 CLAIM_AFTER_DELIVERY = (
     "WITH delivered AS (DELETE FROM outbox WHERE id = ANY($4::bigint[]) AND lease = $5 "
-    f"RETURNING {_UNSYNCED})"
-    + CLAIM.replace(
-        "AND (leased_until IS NULL OR leased_until <= now())",
-        "AND (leased_until IS NULL OR leased_until <= now()) AND " + _NOT_DELIVERED.format(t="o"),
-    )
-    .replace(
-        "AND busy.ordering_key IS NOT NULL",
-        "AND busy.ordering_key IS NOT NULL AND " + _NOT_DELIVERED.format(t="busy"),
-    )
-    .replace(
-        "WHERE older.ordering_key IS NOT NULL",
-        "WHERE older.ordering_key IS NOT NULL AND " + _NOT_DELIVERED.format(t="older"),
-    )
+    f"RETURNING {_UNSYNCED})" + _CLAIM_PASSING_OVER_DELIVERED
 )
 # How long a relay with nothing left to claim keeps the rows it delivered for its next
 # claim to delete, waiting for a wake-up, before deleting them alone. Short: meanwhile
