@@ -83,14 +83,13 @@ class SessionLeases:
     def __init__(self, bucket: Bucket, presence: Presence) -> None:
         self._bucket = bucket
         self._presence = presence
-        self._holder = presence.holder
         # By session key: the revision of the delete marker this replica's release left.
         self._released: dict[str, int] = {}
 
     @property
     def holder(self) -> bytes:
         """What this process writes in the leases it takes: its instance and its id."""
-        return self._holder
+        return self._presence.holder
 
     @contextlib.asynccontextmanager
     async def hold(self, session_id: UUID) -> AsyncIterator[bool]:
@@ -138,7 +137,7 @@ class SessionLeases:
                 if entry is None:
                     log.info("lease_release_found_applied", session_id=key)
                     return
-                if entry.value != self._holder or entry.revision is None:
+                if entry.value != self.holder or entry.revision is None:
                     log.warning("lease_release_failed", session_id=key, error=repr(exc))
                     return  # taken since: not ours to delete
                 revision = entry.revision
@@ -198,14 +197,14 @@ class SessionLeases:
         released = self._released.pop(key, None)
         if released is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):  # written since: as below
-                return await self._bucket.update(key, self._holder, last=released), True
+                return await self._bucket.update(key, self.holder, last=released), True
         # Revision 0: the subject holds no message at all, neither a lease nor a release.
         with contextlib.suppress(KeyWrongLastSequenceError):  # it has one: as below
-            return await self._bucket.update(key, self._holder, last=0), True
+            return await self._bucket.update(key, self.holder, last=0), True
         asked = -ASK_HOLDER_EVERY_SECONDS  # when the holder was last asked whether it lives
         while True:
             try:
-                return await self._bucket.create(key, self._holder), False
+                return await self._bucket.create(key, self.holder), False
             except KeyWrongLastSequenceError:
                 # Held elsewhere: until released or expired, or its holder is gone.
                 if time.monotonic() - asked >= ASK_HOLDER_EVERY_SECONDS:
@@ -227,12 +226,12 @@ class SessionLeases:
         holder lives (or cannot be told gone), or when the key moved since it was read (a
         renewal: the holder lives; a release or another taker: the loop tries again)."""
         entry = await self._entry(key)
-        if entry is None or entry.revision is None or entry.value in (None, self._holder):
+        if entry is None or entry.revision is None or entry.value in (None, self.holder):
             return None
         if not await self._presence.gone(entry.value):
             return None
         try:
-            revision = await self._bucket.update(key, self._holder, last=entry.revision)
+            revision = await self._bucket.update(key, self.holder, last=entry.revision)
         except KeyWrongLastSequenceError:
             return None
         log.warning("lease_taken_over", session_id=key, holder=entry.value.decode(errors="replace"))
@@ -244,10 +243,10 @@ class SessionLeases:
         past `revision` in this replica's name, which only this replica writes: still its
         lease, at the key's revision. Anyone else's name, or no key, is a lease lost."""
         try:
-            return await self._bucket.update(key, self._holder, last=revision)
+            return await self._bucket.update(key, self.holder, last=revision)
         except KeyWrongLastSequenceError:
             entry = await self._entry(key)
-            if entry is None or entry.value != self._holder or entry.revision is None:
+            if entry is None or entry.value != self.holder or entry.revision is None:
                 raise
             if entry.revision == revision:
                 # Refused, yet the key is where this replica left it: nats-server holds an
@@ -256,7 +255,7 @@ class SessionLeases:
                 # renewed would write nothing, and the TTL would run out under the turn.
                 # No other replica writes the key while it is there and this one answers
                 # for itself (`_take_from_the_gone`): renew it as is.
-                renewed = await self._bucket.put(key, self._holder)
+                renewed = await self._bucket.put(key, self.holder)
                 log.info("lease_renewed_unconditionally", session_id=key, revision=renewed)
                 return renewed
             log.info("lease_renewal_found_applied", session_id=key, revision=entry.revision)

@@ -59,12 +59,6 @@ class Presence:
         await nc.flush()
         return presence
 
-    async def stop(self) -> None:
-        """No longer answering: what a dead process looks like to the others."""
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
-
     async def gone(self, holder: bytes) -> bool:
         """Whether the process that wrote `holder` into a lease is gone: NATS found nobody
         listening on its subject twice, `GRACE_SECONDS` apart. A lease written without an
