@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar, overload
 
 import nats.errors
@@ -15,6 +17,7 @@ from domain.errors import DomainError
 from servicekit.telemetry import request_span
 
 Rep = TypeVar("Rep", bound=BaseModel)
+T = TypeVar("T")
 # A command's models, as the catalog types them.
 CReq = TypeVar("CReq", bound=Message)
 CRep = TypeVar("CRep", bound=Message)
@@ -87,6 +90,55 @@ async def call(
             subject, request.model_dump_json().encode(), timeout=timeout, headers=headers
         )
     return parse_reply(msg.data, reply_model)
+
+
+async def resent(
+    send: Callable[[float], Awaitable[T]], *, timeout: float, first_after: float, copies: int = 3
+) -> T:
+    """The first answer to an idempotent request, `send(timeout)`, sent again while
+    unanswered: after `first_after` seconds, then twice as long each time, up to
+    `copies` in all, every copy within the first one's `timeout`. The first copy to end
+    decides: its reply, or its error (no responders, a refusal, the timeout); the others
+    are dropped.
+
+    NATS hands a request to one replica of the service. One that dies before answering
+    leaves no trace the caller could see: no error, no reply, only the timeout, which for
+    a read of the log is 30 s (a page is a large reply from a busy log). Sent again, the
+    request goes to a replica that is there, so a dead one costs `first_after`, and a
+    slow but live one costs a second copy of an idempotent request. Copies are bounded so
+    that an overloaded service is not sent ever more of them.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pending: set[asyncio.Future[T]] = {asyncio.ensure_future(send(timeout))}
+    wait = first_after
+    try:
+        for _ in range(copies - 1):
+            done, pending = await asyncio.wait(
+                pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                return _first(done)
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            pending.add(asyncio.ensure_future(send(left)))
+            wait *= 2
+        # Each copy ends by the deadline (its own timeout), so this wait does too.
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        return _first(done)
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def _first(done: set[asyncio.Future[T]]) -> T:
+    """The answer of one copy that ended; the others that ended with it are dropped (their
+    errors read, so that none is reported as never retrieved)."""
+    first, *others = done
+    for other in others:
+        other.exception()
+    return first.result()
 
 
 async def announced(nc: Client, service: str, timeout: float = 1.0) -> dict[str, str] | None:

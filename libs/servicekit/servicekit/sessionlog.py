@@ -9,6 +9,9 @@ they share lives here once:
   `pages()` hands them over a page at a time to a reader that sends as it reads;
 - the requests and replies are the catalog's `Command`s, typed by their models, sent by
   `call` or by the service's own `Caller` (the gateway's maps silence to `unavailable`);
+- a read is sent again while unanswered (`client.resent`): a replica of the log that
+  dies holding a request never answers it, and the caller would wait out the whole
+  timeout although the other replica could answer at once;
 - the refusals a caller branches on are types: `SessionNotFound` and `SessionClosed`,
   both `DomainError`s, so a command handler that meets one replies with it unchanged.
   `session()` passes any other refusal on the same way (a handler asking "which session
@@ -46,11 +49,14 @@ from contracts.session_events import (
     TerminateSession,
 )
 from domain.errors import DomainError
-from servicekit.client import Caller, CommandFailed, CRep, CReq, call
+from servicekit.client import Caller, CommandFailed, CRep, CReq, call, resent
 
 # A page of `EVENTS_PAGE_MAX` events is a much larger reply than a command's usual one.
 READ_TIMEOUT_SECONDS = 30.0
 COMMAND_TIMEOUT_SECONDS = 5.0
+# A read unanswered this long is sent again (then after twice as long): the log answers a
+# read in milliseconds, a busy one in a few hundred.
+RESEND_READ_AFTER_SECONDS = 2.0
 # `TerminateSession.reason`'s limit: a longer reason (a crash's repr) is cut, not refused.
 MAX_REASON_CHARS = 4000
 
@@ -107,6 +113,16 @@ class SessionLogClient:
                 raise
             raise typed from None
 
+    async def _read(
+        self, command: Command[CReq, CRep], request: CReq, timeout: float | None = None
+    ) -> CRep:
+        """`_call` for a command that changes nothing, sent again while unanswered."""
+        return await resent(
+            lambda left: self._call(command, request, left),
+            timeout=timeout or self._timeout,
+            first_after=RESEND_READ_AFTER_SECONDS,
+        )
+
     async def open(self, project_id: str, opened_by: str) -> SessionOpenedReply:
         """Open a session in a project."""
         return await self._call(
@@ -116,7 +132,7 @@ class SessionLogClient:
 
     async def sessions(self, project_id: str) -> list[ListedSession]:
         """The project's sessions, newest first (as many as the log lists by default)."""
-        reply = await self._call(catalog.SESSIONS_LIST, ListSessions(project_id=project_id))
+        reply = await self._read(catalog.SESSIONS_LIST, ListSessions(project_id=project_id))
         return reply.sessions
 
     async def heartbeat(self, session_id: UUID) -> HeartbeatReply:
@@ -126,7 +142,7 @@ class SessionLogClient:
     async def session(self, session_id: UUID) -> SessionView:
         """The session's state; every refusal is raised as a `DomainError`."""
         try:
-            return await self._call(catalog.SESSIONS_GET, SessionRef(session_id=session_id))
+            return await self._read(catalog.SESSIONS_GET, SessionRef(session_id=session_id))
         except CommandFailed as failure:
             raise failure.refusal() from None
 
@@ -171,7 +187,7 @@ class SessionLogClient:
         self, session_id: UUID, after_seq: int = 0, limit: int = EVENTS_PAGE_MAX
     ) -> list[Event]:
         """At most `limit` events of the session after `after_seq`, in `seq` order."""
-        reply = await self._call(
+        reply = await self._read(
             catalog.EVENTS_LIST,
             ListEvents(session_id=session_id, after_seq=after_seq, limit=limit),
             timeout=max(READ_TIMEOUT_SECONDS, self._timeout),
@@ -199,7 +215,7 @@ class SessionLogClient:
         """The events of these ids the log holds (unknown ids are left out), page by page."""
         events: list[Event] = []
         for start in range(0, len(event_ids), EVENTS_PAGE_MAX):
-            reply = await self._call(
+            reply = await self._read(
                 catalog.EVENTS_GET,
                 GetEvents(event_ids=list(event_ids[start : start + EVENTS_PAGE_MAX])),
                 timeout=timeout,
@@ -209,7 +225,7 @@ class SessionLogClient:
 
     async def query(self, project_id: str, types: Sequence[EventType]) -> list[Event]:
         """The project's events of these types, oldest first (the log's default limit)."""
-        reply = await self._call(
+        reply = await self._read(
             catalog.EVENTS_QUERY,
             QueryEvents(project_id=project_id, types=[t.value for t in types]),
             timeout=READ_TIMEOUT_SECONDS,

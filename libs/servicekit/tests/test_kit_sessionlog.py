@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import nats.errors
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
@@ -21,11 +22,12 @@ from contracts.common import ErrorCode
 from contracts.events import BusinessRule, ChatMessage, EventType
 from contracts.session_events import EVENTS_PAGE_MAX
 from domain.errors import DomainError
-from servicekit.client import CommandFailed, CRep, CReq, call, parse_reply
+from servicekit.client import CommandFailed, CRep, CReq, call, parse_reply, resent
 from servicekit.endpoint import error_reply
 from servicekit.sessionlog import (
     MAX_REASON_CHARS,
     READ_TIMEOUT_SECONDS,
+    RESEND_READ_AFTER_SECONDS,
     SessionClosed,
     SessionLogClient,
     SessionNotFound,
@@ -155,6 +157,89 @@ async def test_a_services_own_caller_carries_every_command_with_its_timeout(
         (subjects.EVENTS_LIST, READ_TIMEOUT_SECONDS),
         (subjects.SESSIONS_GET, 7.0),
     ]
+
+
+def dying_first(nc: Client, sent: list[tuple[str, float]]) -> Any:
+    """A caller whose first request goes to a replica that dies holding it: no reply and no
+    error, only its timeout (NATS cannot tell the caller); the others reach the log."""
+
+    async def caller(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        sent.append((command.subject, timeout))
+        if len(sent) == 1:
+            await asyncio.sleep(timeout)
+            raise nats.errors.TimeoutError
+        return await call(nc, command, request, timeout=timeout)
+
+    return caller
+
+
+async def test_a_read_a_dying_replica_took_is_sent_again_and_answered(
+    log: SessionLogClient, nc: Client
+) -> None:
+    opened = await log.open(project(), PERSON)
+    await say(log, opened.session_id, "hello")
+    sent: list[tuple[str, float]] = []
+    own = SessionLogClient(nc, caller=dying_first(nc, sent))
+
+    events = await own.events(opened.session_id)
+
+    assert [e.type for e in events] == [EventType.SESSION_OPENED, EventType.CHAT_MESSAGE]
+    # Sent again once, within what was left of the first copy's time: the read as a whole
+    # still ends by its timeout.
+    assert [subject for subject, _ in sent] == [subjects.EVENTS_LIST, subjects.EVENTS_LIST]
+    assert sent[0][1] == READ_TIMEOUT_SECONDS
+    assert sent[1][1] <= READ_TIMEOUT_SECONDS - RESEND_READ_AFTER_SECONDS
+
+
+async def test_a_write_is_never_sent_twice(log: SessionLogClient, nc: Client) -> None:
+    opened = await log.open(project(), PERSON)
+    sent: list[tuple[str, float]] = []
+    own = SessionLogClient(nc, timeout=0.2, caller=dying_first(nc, sent))
+
+    with pytest.raises(nats.errors.TimeoutError):
+        await own.append(opened.session_id, EventType.CHAT_MESSAGE, PERSON, ChatMessage(text="x"))
+
+    assert sent == [(subjects.EVENTS_APPEND, 0.2)]
+    assert [e.type for e in await log.events(opened.session_id)] == [EventType.SESSION_OPENED]
+
+
+async def test_the_first_copy_to_end_decides_even_with_an_error() -> None:
+    copies: list[float] = []
+    cancelled = asyncio.Event()
+
+    async def send(timeout: float) -> str:
+        copies.append(timeout)
+        if len(copies) == 1:
+            try:
+                await asyncio.sleep(timeout)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return "too late"
+        raise CommandFailed(ErrorCode.SESSION_CLOSED, "closed")
+
+    with pytest.raises(CommandFailed) as refused:
+        await resent(send, timeout=30.0, first_after=0.01)
+
+    assert refused.value.code == ErrorCode.SESSION_CLOSED
+    assert len(copies) == 2
+    await asyncio.wait_for(cancelled.wait(), 1.0)  # the unanswered copy is dropped
+
+
+async def test_copies_are_bounded_and_all_end_by_the_first_ones_timeout() -> None:
+    timeouts: list[float] = []
+
+    async def send(timeout: float) -> str:
+        timeouts.append(timeout)
+        await asyncio.sleep(timeout)
+        raise nats.errors.TimeoutError
+
+    with pytest.raises(nats.errors.TimeoutError):
+        await resent(send, timeout=0.5, first_after=0.05, copies=3)
+
+    assert len(timeouts) == 3
+    assert timeouts[0] == 0.5
+    assert 0.5 > timeouts[1] > timeouts[2] > 0  # each within what is left of the first's
 
 
 async def test_an_unknown_session_is_session_not_found(log: SessionLogClient) -> None:
