@@ -58,6 +58,8 @@ log = get_logger(__name__)
 UNAVAILABLE_PAUSE_SECONDS = 0.5
 # How long a pull waits for a message before asking again (idle consumers).
 FETCH_WAIT_SECONDS = 1.0
+# The server's AckWait when a consumer declares neither one nor a BackOff.
+SERVER_ACK_WAIT_SECONDS = 30.0
 # The bound on taking the messages a delivered one says are already waiting behind it.
 DRAIN_SECONDS = 0.05
 
@@ -83,8 +85,9 @@ class ConsumerSpec:
     backoff: list[float] = field(default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0])
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL
     batch: int = 32
-    # The server's AckWait (its default, 30 s, when None). With BackOff set, a message
-    # held unacknowledged is redelivered after its backoff step, not after AckWait.
+    # The server's AckWait (its default, 30 s, when None), for a consumer without a
+    # BackOff only: given one, the server holds AckWait at its first step whatever is
+    # asked, and a message held unacknowledged is redelivered after its backoff step.
     ack_wait: float | None = None
     # The least time the server gives a held message before delivering it again (its
     # holder dead or stalled): each step of the server's schedule is at least this, while
@@ -98,16 +101,22 @@ class ConsumerSpec:
     drift_check_seconds: float = 60.0
 
     def config(self) -> ConsumerConfig:
-        """The server-side configuration: explicit acks, bounded deliveries, backoff."""
+        """The server-side configuration: explicit acks, bounded deliveries, backoff.
+
+        Declared as the server keeps it: asked for another AckWait beside a BackOff, the
+        server keeps its first step, and the consumer would be found drifted from its
+        declaration at every check (`servicekit.drift`), and updated each time.
+        """
+        backoff = self.redelivery[: self.max_deliver - 1]
         return ConsumerConfig(
             durable_name=self.durable,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=self.deliver_policy,
             filter_subjects=list(self.filter_subjects),
             max_deliver=self.max_deliver,
-            backoff=self.redelivery[: self.max_deliver - 1],
+            backoff=backoff,
             max_ack_pending=1000,
-            ack_wait=self.ack_wait,
+            ack_wait=backoff[0] if backoff else self.ack_wait,
         )
 
     @property
@@ -119,11 +128,10 @@ class ConsumerSpec:
 
     @property
     def keep_alive_interval(self) -> float:
-        """How often a held message is reported in progress: well within both the first
-        step of the server's schedule (its redelivery time with BackOff) and AckWait."""
-        first = self.redelivery[0]
-        limit = min(first, self.ack_wait or first)
-        return max(limit / 3, 0.05)
+        """How often a held message is reported in progress: well within the time the
+        server gives it before delivering it again (AckWait: the first step of the
+        BackOff, when there is one)."""
+        return max((self.config().ack_wait or SERVER_ACK_WAIT_SECONDS) / 3, 0.05)
 
     def delay_after(self, deliveries: int) -> float:
         """The nak delay after the `deliveries`-th failed attempt."""

@@ -12,11 +12,13 @@ import uuid
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from structlog.testing import capture_logs
 
 from servicekit.consumer import ConsumerSpec, DurableConsumer
+from servicekit.drift import keep_declared
 from servicekit.metrics import value
 from testkit.probes import wait_for
 
@@ -104,3 +106,20 @@ async def test_a_consumer_made_push_is_created_again_as_a_pull_consumer(
     assert "cannot be updated in place" in drift["why"]
     # created again from the declared start: the first comes again (idempotency's job)
     assert {m.data for m in got} == {b'{"n": 1}', b'{"n": 2}'}
+
+
+async def test_a_consumer_as_declared_is_found_as_declared(
+    nc: Client, js: JetStreamContext, stream: tuple[str, str]
+) -> None:
+    """Given a BackOff, the server keeps AckWait at its first step: a declaration asking
+    for another one found the consumer drifted at every start and check, and updated it
+    each time, logging an error."""
+    spec = dataclasses.replace(spec_for(stream, backoff=(0.5, 1.0)), ack_wait=30.0)
+
+    with capture_logs() as logged:
+        assert await keep_declared(nc, js, spec.stream, spec.config()) is False  # created
+        assert await keep_declared(nc, js, spec.stream, spec.config()) is False
+
+    assert drifts(logged, spec) == []
+    info = await consumer_info(js, spec)
+    assert info is not None and info.config.ack_wait == 0.5

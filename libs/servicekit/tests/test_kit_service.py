@@ -343,17 +343,21 @@ def test_a_handler_not_matching_its_catalog_command_is_refused_when_declared() -
 def test_held_messages_are_reported_in_progress_well_within_backoff_and_ack_wait() -> None:
     spec = ConsumerSpec("d", "S", ["a.>"], backoff=[3.0, 10.0])
     assert spec.keep_alive_interval == 1.0
-    assert ConsumerSpec("d", "S", ["a.>"], backoff=[3.0], ack_wait=0.6).keep_alive_interval == (
+    # AckWait is what the server keeps: the first step of the BackOff, whatever is asked.
+    assert spec.config().ack_wait == 3.0
+    assert ConsumerSpec("d", "S", ["a.>"], backoff=[3.0], ack_wait=0.6).config().ack_wait == 3.0
+    # Without a BackOff, the one asked for, or the server's default.
+    assert ConsumerSpec("d", "S", ["a.>"], backoff=[], ack_wait=0.6).keep_alive_interval == (
         pytest.approx(0.2)
     )
-    assert spec.config().ack_wait is None  # the server's default unless asked
+    assert ConsumerSpec("d", "S", ["a.>"], backoff=[]).config().ack_wait is None
+    assert ConsumerSpec("d", "S", ["a.>"], backoff=[]).keep_alive_interval == 10.0
     # Given a least redelivery time, the server's schedule and the reports follow it; a
     # nak's delay still follows the backoff.
     patient = replace(spec, redeliver_held_after=6.0)
     assert patient.config().backoff == [6.0, 10.0]
     assert patient.keep_alive_interval == 2.0
     assert patient.delay_after(1) == 3.0
-    assert ConsumerSpec("d", "S", ["a.>"], ack_wait=30.0).config().ack_wait == 30.0
 
 
 async def test_workers_pull_the_same_durable_side_by_side(

@@ -55,7 +55,6 @@ def inputs_spec(settings: CriativoSettings) -> ConsumerSpec:
         max_deliver=settings.max_deliver,
         backoff=list(settings.retry_backoff_seconds),
         batch=settings.consumer_batch,
-        ack_wait=settings.ack_wait_seconds,
         redeliver_held_after=settings.redeliver_held_input_after_seconds,
     )
 

@@ -18,7 +18,6 @@ class CriativoSettings(ServiceSettings):
     retry_backoff_seconds: list[float] = Field(
         default_factory=lambda: [1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0]
     )
-    ack_wait_seconds: float = 30.0
     # The least time an input stays with the replica that took it before JetStream hands
     # it to another: how long the input of a replica that died mid-turn waits (the lease
     # it left is taken at once, `criativo.presence`). The holder reports it in progress
