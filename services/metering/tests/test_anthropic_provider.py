@@ -675,3 +675,20 @@ async def test_a_burst_of_calls_reuses_the_connections_of_the_burst_before() -> 
     await llm.close()
     await fake.stop()
     assert fake.connections == burst
+
+
+async def test_calls_one_after_another_stream_on_one_connection() -> None:
+    # A stream read to its end leaves its connection to the next call, as the API keeps it
+    # alive: a turn does not pay a new connection (a TLS handshake against the real API)
+    # before its first token.
+    fake = await CountingFake().start()
+    fake.gate.set()
+    fake.replies.extend(a_reply(True) for _ in range(3))
+    llm = provider(fake)
+    for _ in range(3):
+        texts = Texts()
+        await llm.complete(REQUEST, Progress(), texts)
+        assert texts.pieces == ["ok"]
+    await llm.close()
+    await fake.stop()
+    assert fake.connections == 1
