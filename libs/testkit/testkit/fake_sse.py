@@ -76,6 +76,8 @@ class FakeSseServer(Generic[R]):
         self.client_left = asyncio.Event()
         # per SSE reply, in order: how many of its frames were written before it ended
         self.frames_sent: list[int] = []
+        # connections clients opened: fewer than the requests when they were kept
+        self.connections = 0
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -117,6 +119,7 @@ class FakeSseServer(Generic[R]):
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
+        self.connections += 1
         try:
             while await self._one_request(reader, writer):
                 pass

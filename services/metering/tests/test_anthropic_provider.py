@@ -641,16 +641,11 @@ async def test_a_call_is_one_span_and_the_provider_hears_its_trace_context(
 
 
 class CountingFake(FakeMessagesApi):
-    """Counts the connections clients open; holds every request until `gate` is set."""
+    """Holds every request until `gate` is set."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.connections = 0
         self.gate = asyncio.Event()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        await super()._serve(reader, writer)
 
     async def _one_request(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -688,8 +683,7 @@ async def test_calls_one_after_another_stream_on_one_connection() -> None:
     # A stream read to its end leaves its connection to the next call, as the API keeps it
     # alive: a turn does not pay a new connection (a TLS handshake against the real API)
     # before its first token.
-    fake = await CountingFake().start()
-    fake.gate.set()
+    fake = await FakeMessagesApi().start()
     fake.replies.extend(a_reply(True) for _ in range(3))
     llm = provider(fake)
     for _ in range(3):
