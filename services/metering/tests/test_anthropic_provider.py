@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -732,3 +733,20 @@ async def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> 
     await llm.close()
     await fake.stop()
     assert (texts.pieces, sleeps.delays, fake.connections) == (["ok"], [], 2)
+
+
+async def test_a_provider_that_cannot_be_reached_is_retried_then_answered_provider_error() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sleeps = Sleeps()
+    llm = AnthropicProvider(
+        api_key="test-key", base_url=f"http://127.0.0.1:{port}", max_retries=2, sleep=sleeps
+    )
+    progress = Progress()
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, Texts())
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert "connection to the provider failed" in failed.value.message
+    assert (len(sleeps.delays), progress.usage) == (2, TokenUsage())
