@@ -43,7 +43,8 @@ The SDK parses every event in metering's process, so that path runs at 1 and 50 
 (`--real-levels`). By default the scripted and the Anthropic providers run one after the
 other, each with services and a database of their own, and a table sets them side by
 side with their ratios; the stand-in's CPU shows in the tables as `provider`, outside the
-CPU per turn of the platform.
+CPU per turn of the platform. The stand-in keeps its connections alive between calls, as
+the providers' APIs do (`bench/fakeprovider.py` says why).
 
     .venv/bin/python bench/chat.py [--tokens 20] [--delay-ms 20] [--levels 1,50,200]
         [--rounds 2] [--spread-turns 3] [--mean-gap-s 4] [--py-spy DIR]

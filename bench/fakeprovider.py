@@ -12,6 +12,14 @@ first word (what the provider itself takes, not the path to it):
 
     w0@<written>@<asked> w1@<written> w2@<written> …
 
+A stream that ends leaves its connection open for metering's next call, as the providers'
+APIs do (HTTP/1.1 keep-alive; the SDKs and metering's pool are built to reuse it): a
+stand-in closing it after each stream would make every turn pay a connection that real
+turns do not pay, and hide what keeping many connections costs metering's HTTP client
+(decision 0024). Connections are plain TCP on loopback: a new one here costs no TLS
+handshake, so a burst's first round, which opens its connections, is cheaper than
+against the real API.
+
 Every bench imports this (`from fakeprovider import …`); the stand-in's process runs
 this file (`python bench/fakeprovider.py <provider> <tokens> <delay_s>`), prints its
 base URL and serves until its stdin closes.

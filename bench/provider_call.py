@@ -8,8 +8,10 @@ costs to start a call and to end it, not the per-token path (`bench/metering.py`
 Calls go one after another, then in bursts of `--burst` started at once.
 
 Baseline, in the same run against the same stand-in: the same request body's bytes
-posted with a bare `httpx2.AsyncClient` (the provider's pool limits) and its SSE body
-split and parsed as the provider reads it — the floor of a call on this HTTP stack.
+posted with a bare client on the providers' HTTP stack (the SDK's aiohttp client, the
+provider's pool limits) and its SSE body split and parsed as the provider reads it — the
+floor of a call on this HTTP stack. The stand-in keeps connections alive, so calls one by
+one find the bursts' connections idle in the pool, as a replica's calls do after a burst.
 Both are interleaved, round by round. Printed: CPU ms per call of this process (its CPU
 ÷ calls), the door's cost (provider − floor) and the ratio, and the burst's call → first
 text p50 / p99 (wall clock, noisy on a loaded machine: read the CPU).
@@ -37,6 +39,7 @@ from pathlib import Path
 
 import httpx2
 import uvloop
+from anthropic import DefaultAioHttpClient
 
 # This folder's `metering.py` (a bench) would stand for metering's package: the folder is
 # searched last, for `benchkit` and `fakeprovider` only.
@@ -93,7 +96,7 @@ class Floor:
     body: bytes
     headers: dict[str, str]
     client: httpx2.AsyncClient = field(
-        default_factory=lambda: httpx2.AsyncClient(limits=http_limits(DEFAULT_CONNECTIONS))
+        default_factory=lambda: DefaultAioHttpClient(limits=http_limits(DEFAULT_CONNECTIONS))
     )
 
     async def call(self, first: Callable[[], None]) -> None:

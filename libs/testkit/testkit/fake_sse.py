@@ -7,8 +7,9 @@ connection, hold until the client goes away, or slow down after some frames
 (`pace_after`) like a long answer being written, and stop as soon as the client
 closes the connection. `frames_sent` then tells how many frames each stream gave
 before it ended: fewer than the reply had means the client closed the connection
-rather than draining it. The official SDKs are pointed at `base_url`, so their real
-code paths run.
+rather than draining it. A stream that ends normally leaves its connection open for the
+client's next request, as a provider's API does (HTTP/1.1 keep-alive). The official SDKs
+are pointed at `base_url`, so their real code paths run.
 
 A provider's fake (`testkit.fake_chat_api`, `testkit.fake_messages_api`) says only
 what its replies are made of and how their frames are written.
@@ -75,6 +76,8 @@ class FakeSseServer(Generic[R]):
         self.client_left = asyncio.Event()
         # per SSE reply, in order: how many of its frames were written before it ended
         self.frames_sent: list[int] = []
+        # connections clients opened: fewer than the requests when they were kept
+        self.connections = 0
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -116,6 +119,7 @@ class FakeSseServer(Generic[R]):
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
+        self.connections += 1
         try:
             while await self._one_request(reader, writer):
                 pass
@@ -152,10 +156,12 @@ class FakeSseServer(Generic[R]):
             await writer.drain()
             return True
         # Chunked, as the real servers stream: a connection cut before the last chunk is
-        # then a broken body to the client, not a normal end.
+        # then a broken body to the client, not a normal end. A whole stream leaves the
+        # connection open for the client's next request (HTTP/1.1 keep-alive), as the
+        # providers' APIs do: closing it would make every call pay a connection.
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-            b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
         )
         left = asyncio.Event()
         watcher = asyncio.create_task(self._watch_eof(reader, left))
@@ -163,16 +169,17 @@ class FakeSseServer(Generic[R]):
             sent = await self._send_frames(reply, frames, writer, left)
         finally:
             watcher.cancel()
+            # Gone before the next request is read: a reader has one waiter at a time.
+            await asyncio.wait([watcher])
         self.frames_sent.append(sent)
-        if sent < len(frames):
+        if sent < len(frames) or left.is_set():
             return False
         trailer = self._trailer(reply)
         if trailer is not None:
             self._write_chunk(writer, trailer)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
-        writer.close()
-        return False
+        return True
 
     @staticmethod
     def _write_chunk(writer: asyncio.StreamWriter, frame: bytes) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -641,16 +642,11 @@ async def test_a_call_is_one_span_and_the_provider_hears_its_trace_context(
 
 
 class CountingFake(FakeMessagesApi):
-    """Counts the connections clients open; holds every request until `gate` is set."""
+    """Holds every request until `gate` is set."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.connections = 0
         self.gate = asyncio.Event()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        await super()._serve(reader, writer)
 
     async def _one_request(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -659,19 +655,98 @@ class CountingFake(FakeMessagesApi):
         return await super()._one_request(reader, writer)
 
 
-async def test_a_burst_of_calls_reuses_the_connections_of_the_burst_before() -> None:
+@pytest.mark.parametrize("streams", [True, False], ids=["stream", "whole"])
+async def test_a_burst_of_calls_reuses_the_connections_of_the_burst_before(
+    streams: bool,
+) -> None:
     # As many calls at once as the replica runs (`connections`; the SDK's own pool keeps
     # 100): a burst opening connections anew pays a TLS handshake each against the real
     # API before its first token.
     burst = 6
     fake = await CountingFake().start()
-    fake.replies.extend(Reply(body=message_body("hi", 5, 1)) for _ in range(2 * burst))
+    fake.replies.extend(a_reply(streams) for _ in range(2 * burst))
     llm = AnthropicProvider(api_key="test-key", base_url=fake.base_url, connections=burst)
-    first = [asyncio.create_task(llm.complete(REQUEST, Progress(), None)) for _ in range(burst)]
+
+    def call() -> Awaitable[object]:
+        return llm.complete(REQUEST, Progress(), Texts() if streams else None)
+
+    first = [asyncio.create_task(call()) for _ in range(burst)]
     await wait_for(lambda: fake.connections == burst, what="a connection per call")
     fake.gate.set()
     await asyncio.gather(*first)
-    await asyncio.gather(*(llm.complete(REQUEST, Progress(), None) for _ in range(burst)))
+    await asyncio.gather(*(call() for _ in range(burst)))
     await llm.close()
     await fake.stop()
     assert fake.connections == burst
+
+
+async def test_calls_one_after_another_stream_on_one_connection() -> None:
+    # A stream read to its end leaves its connection to the next call, as the API keeps it
+    # alive: a turn does not pay a new connection (a TLS handshake against the real API)
+    # before its first token.
+    fake = await FakeMessagesApi().start()
+    fake.replies.extend(a_reply(True) for _ in range(3))
+    llm = provider(fake)
+    for _ in range(3):
+        texts = Texts()
+        await llm.complete(REQUEST, Progress(), texts)
+        assert texts.pieces == ["ok"]
+    await llm.close()
+    await fake.stop()
+    assert fake.connections == 1
+
+
+class IdleClosingFake(CountingFake):
+    """Closes each connection once its answer is written, as a server or a load balancer
+    closes a connection left idle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await super()._serve(reader, writer)
+        self.closed += 1
+
+    async def _one_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        await super()._one_request(reader, writer)
+        return False
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
+    # Sent on a connection the server closed, a call would fail and wait out a retry's
+    # backoff before its first token.
+    fake = await IdleClosingFake().start()
+    fake.gate.set()
+    fake.replies.extend(a_reply(True) for _ in range(2))
+    sleeps = Sleeps()
+    llm = provider(fake, sleeps)
+    await llm.complete(REQUEST, Progress(), Texts())
+    await wait_for(lambda: fake.closed == 1, what="the server closed the idle connection")
+    # The client hears the close when its event loop next reads the socket, as it does
+    # in the time between two turns.
+    await asyncio.sleep(0.05)
+    texts = Texts()
+    await llm.complete(REQUEST, Progress(), texts)
+    await llm.close()
+    await fake.stop()
+    assert (texts.pieces, sleeps.delays, fake.connections) == (["ok"], [], 2)
+
+
+async def test_a_provider_that_cannot_be_reached_is_retried_then_answered_provider_error() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sleeps = Sleeps()
+    llm = AnthropicProvider(
+        api_key="test-key", base_url=f"http://127.0.0.1:{port}", max_retries=2, sleep=sleeps
+    )
+    progress = Progress()
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, Texts())
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert "connection to the provider failed" in failed.value.message
+    assert (len(sleeps.delays), progress.usage) == (2, TokenUsage())

@@ -370,6 +370,21 @@ async def test_a_connection_dropped_mid_stream_is_billed_for_what_arrived(
     assert progress.usage.output_tokens == 2 and progress.usage.input_tokens > 0
 
 
+async def test_calls_one_after_another_stream_on_one_connection() -> None:
+    # As with Anthropic's API: a stream read to its end leaves its connection to the next
+    # call, which pays no new one (a TLS handshake against a remote server).
+    fake = await FakeChatApi().start()
+    fake.replies.extend(text_reply(["ok"]) for _ in range(3))
+    llm = provider(fake)
+    for _ in range(3):
+        texts = Texts()
+        await llm.complete(REQUEST, Progress(), texts)
+        assert texts.pieces == ["ok"]
+    await llm.close()
+    await fake.stop()
+    assert fake.connections == 1
+
+
 async def test_a_stream_that_ends_without_finishing_is_an_error(fake: FakeChatApi) -> None:
     # a clean end of body, but no finish reason and no [DONE]: the server gave up
     fake.replies.append(Reply(chunks=text_chunks(["half"]), done=False))

@@ -46,7 +46,7 @@ from anthropic import (
     APIConnectionError,
     APIStatusError,
     AsyncAnthropic,
-    DefaultAsyncHttpxClient,
+    DefaultAioHttpClient,
     RequestOptions,
 )
 from anthropic.types import Message as SdkMessage
@@ -296,7 +296,7 @@ class AnthropicProvider:
             base_url=base_url,
             max_retries=0,
             timeout=timeout,
-            http_client=DefaultAsyncHttpxClient(limits=http_limits(connections)),
+            http_client=DefaultAioHttpClient(limits=http_limits(connections)),
         )
         self._max_retries = max_retries
         self._sleep = sleep

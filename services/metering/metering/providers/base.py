@@ -178,9 +178,16 @@ class Provider(Protocol):
 
 
 def http_limits(keep_alive: int) -> httpx2.Limits:
-    """The connection pool of a provider's SDK: `keep_alive` idle connections kept (the
-    calls a replica runs at once), so that a burst of turns as large as a burst before it
-    reuses that one's connections. The SDKs keep 100, for five seconds."""
+    """The connection pool of a provider's SDK client: `keep_alive` idle connections kept
+    (the calls a replica runs at once), so that a burst of turns as large as a burst before
+    it reuses that one's connections. The SDKs keep 100, for five seconds.
+
+    The client is the SDK's aiohttp one (`DefaultAioHttpClient`), whose pool hands out an
+    idle connection without looking at the others: the default one (httpx2's) checks every
+    idle connection's socket on each request and each response's end, so with the
+    connections of a burst kept, every later call paid for all of them (decision 0024).
+    aiohttp keeps every idle connection up to `max_connections`, for `keepalive_expiry`.
+    """
     return httpx2.Limits(
         max_connections=max(MAX_CONNECTIONS, keep_alive),
         max_keepalive_connections=keep_alive,

@@ -44,7 +44,7 @@ from openai import (
     APIError,
     APIStatusError,
     AsyncOpenAI,
-    DefaultAsyncHttpxClient,
+    DefaultAioHttpClient,
     RequestOptions,
 )
 from pydantic import ValidationError
@@ -309,7 +309,7 @@ class OpenAICompatibleProvider:
             base_url=base_url,
             max_retries=0,
             timeout=timeout,
-            http_client=DefaultAsyncHttpxClient(limits=http_limits(connections)),
+            http_client=DefaultAioHttpClient(limits=http_limits(connections)),
         )
         self._max_retries = max_retries
         self._sleep = sleep
