@@ -11,12 +11,11 @@ stream gave before it ended.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from testkit.fake_sse import FakeSseServer, ScriptedReply, sse_frame
+from testkit.fake_sse import FakeSseServer, RawData, ScriptedReply, data_line, sse_frame
 
 Chunk = dict[str, Any]
 
@@ -25,7 +24,7 @@ Chunk = dict[str, Any]
 class Reply(ScriptedReply):
     """One scripted response."""
 
-    chunks: list[Chunk] | None = None  # an SSE response
+    chunks: list[Chunk | RawData] | None = None  # an SSE response (a RawData: a broken chunk)
     done: bool = True  # end with `data: [DONE]`
 
 
@@ -56,7 +55,7 @@ class FakeChatApi(FakeSseServer[Reply]):
     def _frames(self, reply: Reply) -> list[bytes] | None:
         if reply.chunks is None:
             return None
-        return [sse_frame(json.dumps(chunk)) for chunk in reply.chunks]
+        return [sse_frame(data_line(chunk)) for chunk in reply.chunks]
 
     def _trailer(self, reply: Reply) -> bytes | None:
         return sse_frame("[DONE]") if reply.done else None

@@ -10,15 +10,15 @@ connection. `events_sent` tells how many events each stream gave before it ended
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from testkit.fake_sse import FakeSseServer, ScriptedReply, sse_frame
+from testkit.fake_sse import FakeSseServer, RawData, ScriptedReply, data_line, sse_frame
 
 MODEL = "claude-sonnet-4-6"
 
-Event = tuple[str, dict[str, Any]]
+# A named event and its data: JSON, or a `RawData` written as it is (a broken event).
+Event = tuple[str, dict[str, Any] | RawData]
 
 
 @dataclass
@@ -42,7 +42,7 @@ class FakeMessagesApi(FakeSseServer[Reply]):
     def _frames(self, reply: Reply) -> list[bytes] | None:
         if reply.events is None:
             return None
-        return [sse_frame(json.dumps(data), event=name) for name, data in reply.events]
+        return [sse_frame(data_line(data), event=name) for name, data in reply.events]
 
 
 # --- building replies --------------------------------------------------------

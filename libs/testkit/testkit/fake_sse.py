@@ -56,6 +56,18 @@ class Recorded:
     body: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class RawData:
+    """An event's data written as it is, not as JSON: what a broken server sends."""
+
+    text: str
+
+
+def data_line(data: object) -> str:
+    """An event's data: `data` as JSON, or a `RawData`'s text as it is."""
+    return data.text if isinstance(data, RawData) else json.dumps(data)
+
+
 def sse_frame(data: str, event: str | None = None) -> bytes:
     """One server-sent event, named or not."""
     named = f"event: {event}\n" if event is not None else ""

@@ -52,7 +52,7 @@ from testkit.fake_messages_api import (
     text_block,
     tool_block,
 )
-from testkit.fake_sse import Recorded
+from testkit.fake_sse import RawData, Recorded
 from testkit.metering import Starter
 from testkit.probes import subscribed, wait_for
 from testkit.spans import recorded_spans
@@ -268,6 +268,29 @@ async def test_a_connection_dropped_mid_stream_is_billed_for_what_arrived(
     await llm.close()
     assert progress.usage == TokenUsage(input_tokens=70, output_tokens=len(texts.pieces))
     assert texts.pieces
+
+
+@pytest.mark.parametrize(
+    "broken",
+    ['{"type": "content_block_delta", "index": 0, "delta": {"type": "text_del', "[1, 2]", "NaN"],
+    ids=["cut", "not-an-object", "nan"],
+)
+async def test_an_event_that_is_not_a_json_object_fails_the_call_with_a_code(
+    fake: FakeMessagesApi, broken: str
+) -> None:
+    # What came before it was handed on and is billed; a retry would hand it on twice.
+    events = [message_start(40), *text_block(0, ["one ", "two "])[:-1]]
+    events += [("content_block_delta", RawData(broken)), message_delta(9), MESSAGE_STOP]
+    fake.replies.append(Reply(events=events))
+    sleeps, progress, texts = Sleeps(), Progress(), Texts()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert "not a JSON object" in failed.value.message and broken[:20] in failed.value.message
+    assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
+    assert progress.usage == TokenUsage(input_tokens=40, output_tokens=2)
 
 
 async def test_a_call_cancelled_mid_stream_disconnects_and_keeps_its_usage(

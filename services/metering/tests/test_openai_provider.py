@@ -45,6 +45,7 @@ from testkit.fake_chat_api import (
     tool_call_chunks,
     usage_chunk,
 )
+from testkit.fake_sse import RawData
 from testkit.metering import Metering, Starter
 from testkit.probes import wait_for
 from testkit.spans import recorded_spans
@@ -349,6 +350,31 @@ async def test_an_error_mid_stream_after_text_fails_without_repeating_deltas(
     await llm.close()
     assert failed.value.code == ErrorCode.PROVIDER_ERROR
     assert "crashed" in failed.value.message
+    assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
+    assert progress.usage == TokenUsage(
+        input_tokens=prompt_tokens_estimate(openai_params(REQUEST)),
+        output_tokens=estimate_output_tokens(2, len("one two ")),
+    )
+
+
+@pytest.mark.parametrize(
+    "broken",
+    ['{"choices": [{"index": 0, "delta": {"cont', "[1, 2]", "NaN"],
+    ids=["cut", "not-an-object", "nan"],
+)
+async def test_a_chunk_that_is_not_a_json_object_fails_the_call_with_a_code(
+    fake: FakeChatApi, broken: str
+) -> None:
+    # What came before it was handed on and is billed; a retry would hand it on twice.
+    chunks = [*text_chunks(["one ", "two "]), RawData(broken), finish("stop"), usage_chunk(9, 3)]
+    fake.replies.append(Reply(chunks=chunks))
+    sleeps, progress, texts = Sleeps(), Progress(), Texts()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert "not a JSON object" in failed.value.message and broken[:20] in failed.value.message
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
     assert progress.usage == TokenUsage(
         input_tokens=prompt_tokens_estimate(openai_params(REQUEST)),

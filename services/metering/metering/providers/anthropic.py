@@ -63,6 +63,7 @@ from metering.providers.base import (
     connection_failed,
     estimate_output_tokens,
     http_limits,
+    json_object,
     request_body,
     retry_after,
     sse_data,
@@ -342,7 +343,7 @@ class AnthropicProvider:
             # closes the HTTP response: the connection is closed, not drained.
             async with contextlib.aclosing(await self._open(body, options)) as http:
                 async for data in sse_data(http.aiter_bytes()):
-                    event = json.loads(data)
+                    event = json_object(data)
                     if event.get("type") == "error":
                         # An error after the 200 (overloaded_error): classified as the
                         # same error would be as a status (`failure_of`).

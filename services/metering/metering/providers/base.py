@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 import httpx2
+import orjson
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
@@ -340,6 +341,24 @@ def _data_of(event: bytes) -> bytes | None:
         if line.startswith(b"data:") or line == b"data"
     ]
     return b"\n".join(lines) if lines else None
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    """An event's data, which both providers send as a JSON object, parsed by orjson:
+    `json.loads` decodes the bytes to text before parsing them, and cost about a tenth of
+    metering's CPU per delta on the real path. A provider that sends anything else has
+    broken its stream: the call fails (what it consumed until then is billed)."""
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        event = None
+    if not isinstance(event, dict):
+        raise ProviderError(
+            ErrorCode.PROVIDER_ERROR,
+            f"the provider sent an event that is not a JSON object: "
+            f"{data[:200].decode(errors='replace')!r}",
+        )
+    return event
 
 
 class Providers:

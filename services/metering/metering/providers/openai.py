@@ -61,6 +61,7 @@ from metering.providers.base import (
     connection_failed,
     estimate_output_tokens,
     http_limits,
+    json_object,
     request_body,
     retry_after,
     sse_data,
@@ -361,8 +362,8 @@ class OpenAICompatibleProvider:
                 async for data in sse_data(http.aiter_bytes()):
                     if data.startswith(b"[DONE]"):
                         continue  # the body ends after it: read to the end, kept alive
-                    chunk = json.loads(data)
-                    if isinstance(chunk, dict) and chunk.get("error"):
+                    chunk = json_object(data)
+                    if chunk.get("error"):
                         raise _stream_error(chunk["error"], http.request)
                     text = reply.add(chunk)
                     if reply.usage is not None:
