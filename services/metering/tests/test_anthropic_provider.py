@@ -293,6 +293,25 @@ async def test_an_event_that_is_not_a_json_object_fails_the_call_with_a_code(
     assert progress.usage == TokenUsage(input_tokens=40, output_tokens=2)
 
 
+async def test_a_stream_that_stalls_fails_after_the_read_timeout_and_is_billed(
+    fake: FakeMessagesApi,
+) -> None:
+    # The provider timeout bounds each read of the stream, whatever the HTTP client.
+    fake.client_left.clear()
+    events = [message_start(30), *text_block(0, ["a "])[:-1], message_delta(1), MESSAGE_STOP]
+    fake.replies.append(Reply(events=events, hold_after=4))
+    progress, texts = Progress(), Texts()
+    llm = AnthropicProvider(api_key="test-key", base_url=fake.base_url, timeout=0.5)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, texts)
+    await asyncio.wait_for(fake.client_left.wait(), 10)  # the connection was closed
+    await llm.close()
+    assert failed.value.code == ErrorCode.PROVIDER_ERROR
+    assert "ReadTimeout" in failed.value.message
+    assert texts.pieces == ["a "]  # text went out: not retried
+    assert progress.usage == TokenUsage(input_tokens=30, output_tokens=1)
+
+
 async def test_a_call_cancelled_mid_stream_disconnects_and_keeps_its_usage(
     fake: FakeMessagesApi,
 ) -> None:

@@ -7,13 +7,17 @@
   it would walk and copy the whole conversation on every call before writing it, and
   trace the call with a span of its own; metering's span of the call is `traced`'s,
   whose context the provider hears in `traceparent` (decision 0019).
+- The SDK's client sends and reads over aiohttp (`DefaultAioHttpClient`, the SDK's
+  own): through httpx's stack, the socket read of each streamed event cost metering
+  more CPU than the rest of the real path's work per delta (decision 0024).
 - A whole turn's answer is parsed by the SDK into its `Message`. A streaming turn reads
-  the raw SSE body and assembles the message itself (`StreamedMessage`): the SDK's
-  stream builds a typed model of every event and of the whole message so far, which
-  cost metering more CPU per token than all the rest of its work. Text is handed on as
-  it arrives; a tool_use block's input, streamed as pieces of JSON, is parsed once, at
-  its `content_block_stop`; event types not listed (thinking, citations, what the API
-  adds later) are skipped.
+  the raw SSE body, parses each event's data with orjson (`base.json_object`: an event
+  that is not a JSON object fails the call) and assembles the message itself
+  (`StreamedMessage`): the SDK's stream builds a typed model of every event and of the
+  whole message so far, which cost metering more CPU per token than all the rest of its
+  work. Text is handed on as it arrives; a tool_use block's input, streamed as pieces
+  of JSON, is parsed once, at its `content_block_stop`; event types not listed
+  (thinking, citations, what the API adds later) are skipped.
 - Usage: `message_start` carries input and cache tokens; every `message_delta`
   carries *cumulative* counts, so the last one seen is kept, never summed. A call
   that fails or is cancelled mid-stream is billed from what was seen; its output

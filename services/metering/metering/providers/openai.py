@@ -4,13 +4,16 @@ LM Studio, or OpenAI itself) through the official `openai` SDK, behind metering 
 - One code path: every call streams, with `stream_options.include_usage`, so usage
   arrives in the last chunk (its `choices` empty) before `[DONE]`. Text is handed on
   only for a streaming turn; a whole turn just collects it. The chunks are read from
-  the raw SSE body as plain JSON: the SDK's stream builds a typed model of every chunk,
-  which costs more CPU per token than the rest of metering.
+  the raw SSE body as plain JSON (orjson, `base.json_object`: a chunk that is not a JSON
+  object fails the call): the SDK's stream builds a typed model of every chunk, which
+  costs more CPU per token than the rest of metering.
 - The request's JSON is written here, once per call (`build_params`,
   `base.request_body`), and sent through the SDK's client (`post`), which adds the key
   and its headers, resolves the base URL and raises an error status as its exceptions.
   Handed a dict (`chat.completions.create`), the SDK would transform the whole
-  conversation by its types on every call before writing it (decision 0019).
+  conversation by its types on every call before writing it (decision 0019). It sends
+  and reads over aiohttp (`DefaultAioHttpClient`, the SDK's own), whose reads of a
+  stream cost a fraction of httpx's (decision 0024).
 - Translation: the harness speaks Anthropic's blocks (contracts.metering). A
   `tool_use` block becomes an assistant `tool_calls` entry, a `tool_result` block a
   `tool` message right after it, a tool spec a `function` tool; back, the streamed
