@@ -2,7 +2,7 @@
 NATS and Postgres: events waiting together, of any sessions, are confirmed by one read of
 the log; a forged copy among them is answered None and counted, the real ones their log
 copy; an event does not wait for a read under way before its own; a log that does not
-answer confirms nothing and counts no forgery."""
+answer confirms nothing, denies nothing and counts no forgery."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
@@ -20,7 +21,7 @@ from contracts.events import ChatMessage, Event, EventType
 from contracts.session_events import AppendedReply, GetEvents
 from domain.errors import DomainError
 from servicekit.client import CRep, CReq, call
-from servicekit.provenance import FORGED_EVENTS, Confirmations
+from servicekit.provenance import FORGED_EVENTS, Confirmations, LogUnanswered
 from servicekit.sessionlog import SessionLogClient
 from testkit.probes import wait_for
 
@@ -63,7 +64,7 @@ async def test_events_waiting_together_are_confirmed_by_one_read_forgeries_refus
     await reads.unsubscribe()
 
 
-async def test_a_log_that_does_not_answer_confirms_nothing_and_counts_no_forgery(
+async def test_a_log_that_does_not_answer_confirms_nothing_denies_nothing_counts_no_forgery(
     log: SessionLogClient, nc: Client
 ) -> None:
     project = f"proj-{uuid.uuid4().hex[:8]}"
@@ -78,7 +79,9 @@ async def test_a_log_that_does_not_answer_confirms_nothing_and_counts_no_forgery
     away = SessionLogClient(nc, caller=silent)
     confirmations = Confirmations(away, consumer="test", attempts=2, retry_seconds=0)
 
-    assert await confirmations.confirm(event) is None
+    with pytest.raises(LogUnanswered) as unanswered:
+        await confirmations.confirm(event)  # not None: that is the log denying it
+    assert unanswered.value.event == event
     assert asked == [subjects.EVENTS_GET] * 2, "asked again once, then given up"
     assert not FORGED_EVENTS - forged_before, "no forgery counted"
 
