@@ -58,7 +58,7 @@ from gateway.fanout import (
     foreign,
 )
 from servicekit.logs import get_logger
-from servicekit.patience import Patience
+from servicekit.patience import Patience, is_unavailable
 from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
@@ -140,16 +140,10 @@ class SessionFeed:
         # others' deltas still come before their outcome, which is live, later.
         for delta in pending_deltas:
             self._send_delta(delta, delta_frame(delta))
-        # What came meanwhile is applied now; from the first message that needs the log,
-        # a task reads it, as once live: a log away does not hold the join's answer.
-        backlog = self._backlog
-        assert backlog is not None
-        while backlog and self._apply(backlog[0]):
-            backlog.popleft()
-        if backlog:
-            self._read_log_first()
-        else:
-            self._backlog = None
+        # What came meanwhile goes before the join's answer, read from the log where it
+        # must be; a log that does not answer that read fails the join (`unavailable`:
+        # the client joins again after what it has), rather than hold it.
+        await self._drain(patience=None)
 
     async def close(self) -> None:
         if self._following:
@@ -180,27 +174,30 @@ class SessionFeed:
     def _read_log_first(self) -> None:
         self._catching_up = asyncio.create_task(self._drain(), name=f"feed-{self.session_id}")
 
-    async def _drain(self) -> None:
+    async def _drain(self, patience: Patience | None = LOG_PATIENCE) -> None:
         """Apply the backlog in order, reading from the log first what a message needs
         (a gap's events, a mark's); the feed is live again once the backlog is empty.
 
-        A log that does not answer is waited for (`LOG_PATIENCE`) until it does or the
-        feed closes: giving up would leave the client behind the log until the
-        session's next event, which may be long in coming (the answer it waits for)."""
+        A log that does not answer is waited for (`patience`) until it does or the feed
+        closes: giving up would leave the client behind the log until the session's
+        next event, which may be long in coming (the answer it waits for). Without
+        `patience` (a join), its silence is raised."""
         backlog = self._backlog
         assert backlog is not None
         while backlog:
             pending = backlog[0]
             try:
                 if isinstance(pending, _Behind):
-                    await self._catch_up(pending.until_seq, patience=LOG_PATIENCE)
+                    await self._catch_up(pending.until_seq, patience=patience)
                 elif not self._apply(pending):
                     assert isinstance(pending, LiveEvent)
-                    await self._catch_up(pending.event.seq - 1, patience=LOG_PATIENCE)
+                    await self._catch_up(pending.event.seq - 1, patience=patience)
                     self._send_event(pending.event, pending.frame)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bad message, or the log refusing the read
+                if patience is None and is_unavailable(exc):
+                    raise
                 log.warning("feed_message_dropped", session=str(self.session_id), error=repr(exc))
             backlog.popleft()
         self._backlog = None
