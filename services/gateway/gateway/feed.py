@@ -163,16 +163,13 @@ class SessionFeed:
             # The log holds what the client must get first: it is read, and whatever
             # arrives meanwhile waits behind it.
             self._backlog = deque([live])
-            self._read_log_first()
+            self._catching_up = asyncio.create_task(self._drain(), name=f"feed-{self.session_id}")
 
     def behind(self, until_seq: int | None) -> None:
         """The log may hold events up to `until_seq` (None: to its end) that the feed
         was not offered (`gateway.fanout.Follower`): they are read from the log, before
         any message offered after this call."""
         self.offer(_Behind(until_seq))
-
-    def _read_log_first(self) -> None:
-        self._catching_up = asyncio.create_task(self._drain(), name=f"feed-{self.session_id}")
 
     async def _drain(self, patience: Patience | None = LOG_PATIENCE) -> None:
         """Apply the backlog in order, reading from the log first what a message needs
