@@ -9,7 +9,8 @@ behind the operator's back, and no service can reshape a bucket's stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,23 +75,53 @@ def identity_options(credentials: Credentials | None) -> dict[str, str]:
     }
 
 
+# What each client of `connect` calls once it is connected again (`on_reconnected`).
+_RECONNECTED: weakref.WeakKeyDictionary[Client, list[Callable[[], None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def on_reconnected(nc: Client, listener: Callable[[], None]) -> None:
+    """Call `listener` each time `nc` (a client of `connect`) is connected again.
+
+    A core subscription misses whatever was published while its client was away (its
+    server down, the client moved to another node): a reader that must not miss
+    anything catches up here. nats-py calls back once it has sent every subscription
+    again and the server has answered a ping sent after them, so the server holds them:
+    a read started from the listener misses nothing published later. The listener runs
+    on the client's reconnect path: it must be quick (start a task for any wait), and
+    a failure of it is logged, never raised there.
+    """
+    listeners = _RECONNECTED.get(nc)
+    if listeners is None:
+        raise ValueError("on_reconnected: the client was not made by servicekit.bus.connect")
+    listeners.append(listener)
+
+
 async def connect(url: str, name: str, credentials: Credentials | None = None) -> Client:
     """A client that reconnects for ever and logs every change of connection state.
 
     With `credentials`, replies arrive under the user's own inbox prefix, the only
-    inbox its permissions let it read.
+    inbox its permissions let it read. `on_reconnected` adds what it calls once
+    connected again.
     """
+    listeners: list[Callable[[], None]] = []
 
     async def on_disconnect() -> None:
         log.warning("nats_disconnected", client=name)
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
+        for listener in tuple(listeners):
+            try:
+                listener()
+            except Exception as exc:  # nats-py would take it for a failed reconnect
+                log.error("nats_reconnected_listener_failed", client=name, error=repr(exc))
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", client=name, error=repr(exc))
 
-    return await nats.connect(
+    nc = await nats.connect(
         server_urls(url),
         name=name,
         **identity_options(credentials),
@@ -100,6 +131,8 @@ async def connect(url: str, name: str, credentials: Credentials | None = None) -
         reconnected_cb=on_reconnect,
         error_cb=on_error,
     )
+    _RECONNECTED[nc] = listeners
+    return nc
 
 
 def stream_config(spec: StreamSpec, replicas: int = 1) -> StreamConfig:

@@ -23,6 +23,7 @@ import nats.errors
 import nats.js.errors
 
 from contracts.common import ErrorCode
+from domain.errors import DomainError
 from servicekit.client import CommandFailed
 from servicekit.logs import get_logger
 
@@ -47,8 +48,10 @@ MAX_BACKOFF_SECONDS = 5.0
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Whether `exc` means a dependency is restarting or unreachable, not a fault."""
-    if isinstance(exc, CommandFailed):
+    """Whether `exc` means a dependency is restarting or unreachable, not a fault: the
+    bus's own errors, or an `unavailable` answer, as sent (`CommandFailed`) or as a
+    caller's door raises it (`DomainError`: the gateway's maps silence to one)."""
+    if isinstance(exc, CommandFailed | DomainError):
         return exc.code == ErrorCode.UNAVAILABLE
     return isinstance(exc, _UNREACHABLE)
 

@@ -76,6 +76,17 @@ def judged(delivered: Event, logged: Event | None, *, consumer: str) -> Event | 
     return None
 
 
+class LogUnanswered(Exception):
+    """The log did not answer whether it holds the event: neither confirmed nor denied.
+
+    Not a forgery (nothing is counted), and not to be dropped as one: the event may be
+    real, and the reader reads it from the log once the log answers again."""
+
+    def __init__(self, event: Event) -> None:
+        super().__init__(f"the log did not answer for event {event.id} (seq {event.seq})")
+        self.event = event
+
+
 # A copy being confirmed, and its answer.
 _Asked = tuple[Event, asyncio.Future[Event | None]]
 
@@ -92,8 +103,13 @@ class Confirmations:
     before its own, and a busy log's round trip is long: at 500 clients its deltas wait
     longer than with a read each (docs/decisions/0004-trust-the-log.md).
 
-    A read that fails is tried again `attempts` times, `retry_seconds` apart; the events
-    it was for are then answered None, as unconfirmed (not counted as forgeries).
+    A read that fails, or is not answered within `read_timeout` (a command's), is tried
+    again, `attempts` times in all, `retry_seconds` apart; the events it was for are then
+    `LogUnanswered` (not counted as forgeries, not denied either), which the reader
+    reads from the log later rather than drop. A read waits no longer than a command:
+    the replica that took it may have been killed holding it, and it never answers;
+    asked again, a live replica does (waiting a page read's 30 s instead, `make chaos`
+    kept sockets behind the log for as long).
 
     An event the reader appends itself (`own_append`) needs no read: the log's reply to
     the append already says what it committed, at which id and `seq`, and a delivered
@@ -116,6 +132,7 @@ class Confirmations:
         max_reads: int = 8,
         attempts: int = 3,
         retry_seconds: float = 0.5,
+        read_timeout: float = COMMAND_TIMEOUT_SECONDS,
         max_appended: int = 4096,
     ) -> None:
         self._log = session_log
@@ -123,6 +140,7 @@ class Confirmations:
         self._max_reads = max_reads
         self._attempts = attempts
         self._retry_seconds = retry_seconds
+        self._read_timeout = read_timeout
         self._max_appended = max_appended
         # The log's replies to this reader's appends whose copy has not come yet, by
         # event id: the checked fields.
@@ -190,7 +208,7 @@ class Confirmations:
     async def confirm(self, delivered: Event) -> Event | None:
         """The log's copy of `delivered` (`delivered` itself when the reply to this
         reader's own append vouches for it); None when the log denies it (logged and
-        counted, as `confirm`) or did not answer."""
+        counted, as `confirm`); `LogUnanswered` when the log did not answer."""
         committed = self._appended.pop(delivered.id, None)
         if committed is not None and committed == _checked(delivered):
             return delivered
@@ -229,22 +247,21 @@ class Confirmations:
                     if answer.done():
                         continue  # its waiter gave up
                     if logged is None:
-                        answer.set_result(None)
+                        answer.set_exception(LogUnanswered(delivered))
                     else:
                         found = logged.get(delivered.id)
                         answer.set_result(judged(delivered, found, consumer=self._consumer))
         finally:
             self._starting = False
             # Only a reader stopped midway (its task cancelled) leaves any unanswered.
-            for _, answer in batch:
+            for delivered, answer in batch:
                 if not answer.done():
-                    answer.set_result(None)
+                    answer.set_exception(LogUnanswered(delivered))
 
     async def _read(self, event_ids: list[UUID]) -> dict[UUID, Event] | None:
         for attempt in range(1, self._attempts + 1):
             try:
-                # a read's patience, as the one-event reads had: a busy log is slow, not gone
-                found = await self._log.get(event_ids)
+                found = await self._log.get(event_ids, timeout=self._read_timeout)
                 return {event.id: event for event in found}
             except Exception as exc:
                 log.warning(

@@ -2,7 +2,7 @@
 NATS and Postgres: events waiting together, of any sessions, are confirmed by one read of
 the log; a forged copy among them is answered None and counted, the real ones their log
 copy; an event does not wait for a read under way before its own; a log that does not
-answer confirms nothing and counts no forgery."""
+answer confirms nothing, denies nothing and counts no forgery."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import asyncio
 import uuid
 from typing import Any
 
+import nats.errors
+import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
@@ -20,8 +22,8 @@ from contracts.events import ChatMessage, Event, EventType
 from contracts.session_events import AppendedReply, GetEvents
 from domain.errors import DomainError
 from servicekit.client import CRep, CReq, call
-from servicekit.provenance import FORGED_EVENTS, Confirmations
-from servicekit.sessionlog import SessionLogClient
+from servicekit.provenance import FORGED_EVENTS, Confirmations, LogUnanswered
+from servicekit.sessionlog import COMMAND_TIMEOUT_SECONDS, SessionLogClient
 from testkit.probes import wait_for
 
 PERSON = "user:ana"
@@ -63,7 +65,7 @@ async def test_events_waiting_together_are_confirmed_by_one_read_forgeries_refus
     await reads.unsubscribe()
 
 
-async def test_a_log_that_does_not_answer_confirms_nothing_and_counts_no_forgery(
+async def test_a_log_that_does_not_answer_confirms_nothing_denies_nothing_counts_no_forgery(
     log: SessionLogClient, nc: Client
 ) -> None:
     project = f"proj-{uuid.uuid4().hex[:8]}"
@@ -78,9 +80,41 @@ async def test_a_log_that_does_not_answer_confirms_nothing_and_counts_no_forgery
     away = SessionLogClient(nc, caller=silent)
     confirmations = Confirmations(away, consumer="test", attempts=2, retry_seconds=0)
 
-    assert await confirmations.confirm(event) is None
+    with pytest.raises(LogUnanswered) as unanswered:
+        await confirmations.confirm(event)  # not None: that is the log denying it
+    assert unanswered.value.event == event
     assert asked == [subjects.EVENTS_GET] * 2, "asked again once, then given up"
     assert not FORGED_EVENTS - forged_before, "no forgery counted"
+
+
+async def test_a_read_the_log_never_answers_is_asked_again_after_a_commands_time(
+    log: SessionLogClient, nc: Client
+) -> None:
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    event = await said(log, (await log.open(project, PERSON)).session_id, "hello")
+    waited: list[float] = []  # each read's timeout, as the log client was given it
+
+    async def answered(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        waited.append(timeout)
+        return await call(nc, command, request, timeout=timeout)
+
+    async def first_lost(command: Command[CReq, CRep], request: CReq, timeout: float) -> CRep:
+        if not waited:  # taken by a replica killed before it answered
+            waited.append(timeout)
+            await asyncio.sleep(timeout)
+            raise nats.errors.TimeoutError
+        return await answered(command, request, timeout)
+
+    lost_once = SessionLogClient(nc, caller=first_lost)
+    confirmations = Confirmations(lost_once, consumer="test", read_timeout=0.2, retry_seconds=0)
+    assert await confirmations.confirm(event) == event
+    assert waited == [0.2, 0.2]
+
+    # By default a read waits as long as a command, not as long as a page of the log.
+    waited.clear()
+    default = Confirmations(SessionLogClient(nc, caller=answered), consumer="test")
+    assert await default.confirm(event) == event
+    assert waited == [COMMAND_TIMEOUT_SECONDS]
 
 
 async def test_an_event_is_not_held_behind_a_read_under_way(

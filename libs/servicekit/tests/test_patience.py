@@ -8,6 +8,7 @@ import nats.js.errors
 import pytest
 
 from contracts.common import ErrorCode
+from domain.errors import DomainError
 from servicekit.client import CommandFailed
 from servicekit.patience import Patience, is_unavailable
 
@@ -35,6 +36,8 @@ class Flaky:
         (nats.js.errors.ServiceUnavailableError(), True),
         (CommandFailed(ErrorCode.UNAVAILABLE, "db away"), True),
         (CommandFailed(ErrorCode.INVALID_REQUEST, "bad"), False),
+        (DomainError(ErrorCode.UNAVAILABLE, "cmd.events.list did not answer"), True),
+        (DomainError(ErrorCode.SESSION_NOT_FOUND, "no such session"), False),
         (ValueError("a bug"), False),
     ],
 )

@@ -32,6 +32,7 @@ from gateway.presence import Presence
 from gateway.server import serving_http
 from gateway.settings import GatewaySettings
 from gateway.ws import Hub, websocket_endpoint
+from servicekit.bus import on_reconnected
 from servicekit.logs import get_logger
 from servicekit.provenance import Confirmations
 from servicekit.runtime import run_service
@@ -150,6 +151,7 @@ async def main(
         secret = load_secret(settings.gateway_secret)
         confirmations = Confirmations(session_log, consumer=SERVICE)
         fanout = Fanout(rt.nc, confirmations)
+        on_reconnected(rt.nc, fanout.reconnected)
         hub = Hub(settings, secret, commands, session_log, presence, fanout, confirmations)
         try:
             async with serving_http(rt, build_app(hub), settings) as url:

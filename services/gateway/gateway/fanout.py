@@ -9,6 +9,10 @@ and one encode, not one of each per client.
 
 Messages of a session reach its feeds in the order NATS delivered them: one
 subscription, one callback, feeds offered each message in turn.
+
+What the subscriptions cannot deliver, the feeds read from the log: a live event the log
+did not answer for, and whatever was published while the gateway's connection was away
+(`Follower.behind`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from contracts.metering import TurnDelta
 from gateway.metrics import FOLLOWED_SESSIONS
 from gateway.wire import model_frame, text_frame
 from servicekit.logs import get_logger
-from servicekit.provenance import Confirmations
+from servicekit.provenance import Confirmations, LogUnanswered
 
 log = get_logger(__name__)
 
@@ -139,6 +143,12 @@ class Follower(Protocol):
 
     def offer(self, live: Live) -> None: ...
 
+    def behind(self, until_seq: int | None) -> None:
+        """The log may hold events of the session this follower was not offered: up to
+        `until_seq` (an event that came, the log not answering for it), or, None,
+        to the log's end (the subscription was away). It reads them from the log, in
+        order, however long the log takes to answer."""
+
 
 @dataclass(eq=False)
 class _Topic:
@@ -169,20 +179,34 @@ class _Topic:
         # A live event is shown only as the log committed it
         # (docs/decisions/0004-trust-the-log.md): a forged copy is never shown, nor lets
         # the feeds drop the real one as a duplicate of its `seq`. The session's later
-        # messages wait behind it, in order.
-        # Unconfirmed (the log not answering), it is dropped: the feeds read it from the
-        # log when the next event shows the gap. The bus's permissions alone would not
-        # do: of the services only session_events may publish on an event subject
+        # messages wait behind it, in order. The bus's permissions alone would not do:
+        # of the services only session_events may publish on an event subject
         # (servicekit.permissions), but the embedded stack's and the tests' `admin` may
         # publish anything, and this is a core subscription: a plain publish on the
         # subject reaches it without passing through the EVENTS stream.
-        if isinstance(live, LiveEvent) and await self.confirmations.confirm(live.event) is None:
-            return
+        if isinstance(live, LiveEvent):
+            try:
+                if await self.confirmations.confirm(live.event) is None:
+                    return  # denied by the log: a forgery, logged and counted
+            except LogUnanswered:
+                # Neither shown nor dropped: the feeds read the log up to its `seq`, as
+                # the log committed it, once it answers (a forgery's `seq` reads no
+                # further than the log's end).
+                self.behind(live.event.seq)
+                return
         for follower in tuple(self.followers):
             try:
                 follower.offer(live)
             except Exception as exc:  # nor a feed's failure reach the others
                 log.warning("feed_message_dropped", subject=msg.subject, error=repr(exc))
+
+    def behind(self, until_seq: int | None) -> None:
+        """Tell every follower the log may hold what it was not offered (`Follower.behind`)."""
+        for follower in tuple(self.followers):
+            try:
+                follower.behind(until_seq)
+            except Exception as exc:
+                log.warning("feed_catch_up_failed", session=str(self.session_id), error=repr(exc))
 
 
 class Fanout:
@@ -196,6 +220,14 @@ class Fanout:
     def following(self) -> int:
         """How many sessions have a subscription now."""
         return len(self._topics)
+
+    def reconnected(self) -> None:
+        """The connection is back (`servicekit.bus.on_reconnected`): what was published
+        while it was away never reached the subscriptions, so every follower reads the
+        log to its end. The server holds the subscriptions again by now: anything
+        committed after such a read is delivered live."""
+        for topic in tuple(self._topics.values()):
+            topic.behind(None)
 
     async def follow(self, project_id: str, session_id: uuid.UUID, follower: Follower) -> None:
         """Offer `follower` every message of the session from now on; returns once the

@@ -8,7 +8,12 @@ after the read is published after the subscription started, and anything both re
 received is dropped by `seq`; what arrives while the feed replays waits in its backlog.
 A live event whose `seq` jumps ahead (a message the subscription missed, or a relay
 publishing late) makes the feed read the missing ones from the log first, so a gap never
-reaches the client.
+reaches the client. So does a live event the log did not answer for (it is read from
+the log, as committed, up to its `seq`) and the gateway's connection coming back (read
+to the log's end: what was published meanwhile never came). Such a read waits for a log
+that does not answer, with backoff, for as long as the feed lives: a missing event is
+never given up, and later messages wait behind it, deltas too (a turn's text never
+comes before the message it answers, nor after its outcome).
 
 Deltas live in the short-lived DELTAS stream: on join, the deltas of every turn not yet
 closed by an `agent.done` are replayed from it, then live ones follow, deduplicated by
@@ -27,9 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import math
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -50,6 +58,7 @@ from gateway.fanout import (
     foreign,
 )
 from servicekit.logs import get_logger
+from servicekit.patience import Patience, is_unavailable
 from servicekit.sessionlog import SessionLogClient
 
 log = get_logger(__name__)
@@ -64,6 +73,21 @@ OUTCOMES = frozenset(
         EventType.ARTIFACT_PRODUCT_BRIEF.value,
     }
 )
+# A feed's reads of what it missed wait for the log for as long as the feed lives (a
+# closed feed's read is cancelled), asked again at most every 5 s.
+LOG_PATIENCE = Patience(math.inf, first_backoff=0.5, max_backoff=5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Behind:
+    """A mark in the backlog: the log may hold events up to `until_seq` (None: to its
+    end) the feed was not offered; they are read before what came after the mark."""
+
+    until_seq: int | None
+
+
+# What waits in a feed's backlog.
+_Pending = Live | _Behind
 
 
 class SessionFeed:
@@ -84,10 +108,10 @@ class SessionFeed:
         self._project = project_id
         self.session_id = session_id
         self._send = send
-        # Live messages not applied yet: while the feed replays, or reads a gap from the
-        # log. None when the feed is live and has nothing pending: a message is applied
-        # as it arrives, with no task hop.
-        self._backlog: deque[Live] | None = deque()
+        # Live messages not applied yet: while the feed replays, or reads from the log
+        # what it missed. None when the feed is live and has nothing pending: a message
+        # is applied as it arrives, with no task hop.
+        self._backlog: deque[_Pending] | None = deque()
         self._catching_up: asyncio.Task[None] | None = None
         self._following = False
         self.last_seq = 0
@@ -116,7 +140,10 @@ class SessionFeed:
         # others' deltas still come before their outcome, which is live, later.
         for delta in pending_deltas:
             self._send_delta(delta, delta_frame(delta))
-        await self._drain()
+        # What came meanwhile goes before the join's answer, read from the log where it
+        # must be; a log that does not answer that read fails the join (`unavailable`:
+        # the client joins again after what it has), rather than hold it.
+        await self._drain(patience=None)
 
     async def close(self) -> None:
         if self._following:
@@ -127,55 +154,81 @@ class SessionFeed:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._catching_up
 
-    def offer(self, live: Live) -> None:
-        """A live message of the session (from the fan-out), in the order NATS delivered it."""
+    def offer(self, live: Live | _Behind) -> None:
+        """A live message of the session (from the fan-out), in the order NATS delivered
+        it (or a mark of what the log holds that the feed was not offered)."""
         if self._backlog is not None:
             self._backlog.append(live)
         elif not self._apply(live):
-            # An event past a gap: the missing ones are read from the log first, and
-            # whatever arrives meanwhile waits behind it.
+            # The log holds what the client must get first: it is read, and whatever
+            # arrives meanwhile waits behind it.
             self._backlog = deque([live])
             self._catching_up = asyncio.create_task(self._drain(), name=f"feed-{self.session_id}")
 
-    async def _drain(self) -> None:
-        """Apply the backlog in order, reading a gap's events from the log where one shows;
-        the feed is live again once the backlog is empty."""
+    def behind(self, until_seq: int | None) -> None:
+        """The log may hold events up to `until_seq` (None: to its end) that the feed
+        was not offered (`gateway.fanout.Follower`): they are read from the log, before
+        any message offered after this call."""
+        self.offer(_Behind(until_seq))
+
+    async def _drain(self, patience: Patience | None = LOG_PATIENCE) -> None:
+        """Apply the backlog in order, reading from the log first what a message needs
+        (a gap's events, a mark's); the feed is live again once the backlog is empty.
+
+        A log that does not answer is waited for (`patience`) until it does or the feed
+        closes: giving up would leave the client behind the log until the session's
+        next event, which may be long in coming (the answer it waits for). Without
+        `patience` (a join), its silence is raised."""
         backlog = self._backlog
         assert backlog is not None
         while backlog:
-            live = backlog[0]
+            pending = backlog[0]
             try:
-                if not self._apply(live):
-                    assert isinstance(live, LiveEvent)
-                    await self._catch_up(until_seq=live.event.seq - 1)
-                    self._send_event(live.event, live.frame)
+                if isinstance(pending, _Behind):
+                    await self._catch_up(pending.until_seq, patience=patience)
+                elif not self._apply(pending):
+                    assert isinstance(pending, LiveEvent)
+                    await self._catch_up(pending.event.seq - 1, patience=patience)
+                    self._send_event(pending.event, pending.frame)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # one bad message must not end the feed
+            except Exception as exc:  # a bad message, or the log refusing the read
+                if patience is None and is_unavailable(exc):
+                    raise
                 log.warning("feed_message_dropped", session=str(self.session_id), error=repr(exc))
             backlog.popleft()
         self._backlog = None
 
-    def _apply(self, live: Live) -> bool:
-        """Send what the client needs of `live`; False for an event past a gap (not sent)."""
-        if isinstance(live, LiveDelta):
-            self._send_delta(live.delta, live.frame)
-        elif isinstance(live, LiveDone):
-            self._end_turns(live.done)
-            self._send("done", live.frame)
-        elif live.event.seq > self.last_seq + 1:
+    def _apply(self, pending: _Pending) -> bool:
+        """Send what the client needs of `pending`; False when the log must be read first
+        (an event past a gap, not sent; a mark past `last_seq`)."""
+        if isinstance(pending, LiveDelta):
+            self._send_delta(pending.delta, pending.frame)
+        elif isinstance(pending, LiveDone):
+            self._end_turns(pending.done)
+            self._send("done", pending.frame)
+        elif isinstance(pending, _Behind):
+            return pending.until_seq is not None and pending.until_seq <= self.last_seq
+        elif pending.event.seq > self.last_seq + 1:
             return False
         else:
-            self._send_event(live.event, live.frame)
+            self._send_event(pending.event, pending.frame)
         return True
 
-    async def _catch_up(self, until_seq: int | None = None) -> None:
-        """Send the log's events after `last_seq` (up to `until_seq`), page by page."""
-        async for page in self._log.pages(self.session_id, after_seq=self.last_seq):
+    async def _catch_up(
+        self, until_seq: int | None = None, *, patience: Patience | None = None
+    ) -> None:
+        """Send the log's events after `last_seq` (up to `until_seq`, else to the log's
+        end), page by page. With `patience`, a log that does not answer is asked again
+        until it does; without, its failure is raised (a join is answered `unavailable`
+        and the client joins again)."""
+        while until_seq is None or self.last_seq < until_seq:
+            read = functools.partial(self._log.page, self.session_id, self.last_seq)
+            page = await (read() if patience is None else patience.retry(read, "session log"))
             for event in page:
                 if event.seq > self.last_seq:
                     self._send_event(event, event_frame(event))
-            if until_seq is not None and self.last_seq >= until_seq:
+            if len(page) < EVENTS_PAGE_MAX:
                 return
 
     async def _outcomes_already_sent(self, deltas: list[TurnDelta], after_seq: int) -> None:
