@@ -11,7 +11,7 @@ stream gave before it ended.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ Chunk = dict[str, Any]
 class Reply(ScriptedReply):
     """One scripted response."""
 
-    chunks: list[Chunk | RawData] | None = None  # an SSE response (a RawData: a broken chunk)
+    chunks: Sequence[Chunk | RawData] | None = None  # an SSE response (a RawData: a broken chunk)
     done: bool = True  # end with `data: [DONE]`
 
 

@@ -10,6 +10,7 @@ connection. `events_sent` tells how many events each stream gave before it ended
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,15 @@ MODEL = "claude-sonnet-4-6"
 
 # A named event and its data: JSON, or a `RawData` written as it is (a broken event).
 Event = tuple[str, dict[str, Any] | RawData]
+# What the builders below make: an event whose data is JSON (a test may edit it).
+JsonEvent = tuple[str, dict[str, Any]]
 
 
 @dataclass
 class Reply(ScriptedReply):
     """One scripted response."""
 
-    events: list[Event] | None = None  # an SSE response
+    events: Sequence[Event] | None = None  # an SSE response
 
 
 class FakeMessagesApi(FakeSseServer[Reply]):
@@ -59,7 +62,7 @@ def error_reply(status: int, kind: str, **headers: str) -> Reply:
 
 def message_start(
     input_tokens: int, cache_read: int = 0, cache_5m: int = 0, cache_1h: int = 0
-) -> Event:
+) -> JsonEvent:
     return (
         "message_start",
         {
@@ -115,7 +118,7 @@ def tool_block(index: int, tool_id: str, name: str, json_parts: list[str]) -> li
     ]  # fmt: skip
 
 
-def message_delta(output_tokens: int, stop_reason: str | None = "end_turn") -> Event:
+def message_delta(output_tokens: int, stop_reason: str | None = "end_turn") -> JsonEvent:
     """Usage here is cumulative (the API's contract): the last one is the total."""
     return (
         "message_delta",
@@ -130,7 +133,7 @@ def message_delta(output_tokens: int, stop_reason: str | None = "end_turn") -> E
 MESSAGE_STOP: Event = ("message_stop", {"type": "message_stop"})
 
 
-def overloaded_event() -> Event:
+def overloaded_event() -> JsonEvent:
     return ("error", _error("overloaded_error", "Overloaded"))
 
 

@@ -709,8 +709,8 @@ async def test_a_burst_of_calls_reuses_the_connections_of_the_burst_before(
     fake.replies.extend(a_reply(streams) for _ in range(2 * burst))
     llm = AnthropicProvider(api_key="test-key", base_url=fake.base_url, connections=burst)
 
-    def call() -> Awaitable[object]:
-        return llm.complete(REQUEST, Progress(), Texts() if streams else None)
+    async def call() -> object:
+        return await llm.complete(REQUEST, Progress(), Texts() if streams else None)
 
     first = [asyncio.create_task(call()) for _ in range(burst)]
     await wait_for(lambda: fake.connections == burst, what="a connection per call")

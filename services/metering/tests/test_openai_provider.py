@@ -35,6 +35,7 @@ from metering.providers.openai import OpenAICompatibleProvider, prompt_tokens_es
 from metering.providers.openai import build_params as openai_params
 from servicekit.client import CommandFailed, call
 from testkit.fake_chat_api import (
+    Chunk,
     FakeChatApi,
     Reply,
     error_chunk,
@@ -366,8 +367,8 @@ async def test_a_chunk_that_is_not_a_json_object_fails_the_call_with_a_code(
     fake: FakeChatApi, broken: str
 ) -> None:
     # What came before it was handed on and is billed; a retry would hand it on twice.
-    chunks = [*text_chunks(["one ", "two "]), RawData(broken), finish("stop"), usage_chunk(9, 3)]
-    fake.replies.append(Reply(chunks=chunks))
+    chunks: list[Chunk | RawData] = [*text_chunks(["one ", "two "]), RawData(broken)]
+    fake.replies.append(Reply(chunks=[*chunks, finish("stop"), usage_chunk(9, 3)]))
     sleeps, progress, texts = Sleeps(), Progress(), Texts()
     llm = provider(fake, sleeps)
     with pytest.raises(ProviderError) as failed:
