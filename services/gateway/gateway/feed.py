@@ -65,6 +65,9 @@ log = get_logger(__name__)
 
 # Queues one prepared frame for the client: (frame type, frame). Never waits on the socket.
 Send = Callable[[str, bytes], object]
+# How long a join waits for each read of the DELTAS stream before it goes on without the
+# open turns' text so far (`_open_turn_deltas_if_answered`).
+OPEN_TURNS_READ_SECONDS = 2.0
 # Events that end the turn their `causation_id` caused: no delta of it may follow them.
 OUTCOMES = frozenset(
     {
@@ -133,7 +136,7 @@ class SessionFeed:
         await self._fanout.follow(self._project, self.session_id, self)
         self._following = True
         self.last_seq = after_seq
-        pending_deltas = await self._open_turn_deltas()
+        pending_deltas = await self._open_turn_deltas_if_answered()
         await self._outcomes_already_sent(pending_deltas, after_seq)
         await self._catch_up()
         # After the log: a turn whose outcome was just sent is dropped here, and the
@@ -281,9 +284,24 @@ class SessionFeed:
         seen.add(delta.seq)
         self._send("delta", frame)
 
+    async def _open_turn_deltas_if_answered(self) -> list[TurnDelta]:
+        """The open turns' deltas, or none when JetStream does not answer (a node lost,
+        its streams electing leaders): the join goes on without them. They only fill in
+        a turn's text so far; its later deltas come live and its outcome carries the
+        whole text, where refusing the join would leave the person with nothing, asking
+        again on the client's back-off, until JetStream answers (`make chaos`: joins
+        refused for 10–20 s after a NATS node was killed)."""
+        try:
+            return await self._open_turn_deltas()
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            log.warning("open_turn_deltas_unread", session=str(self.session_id), error=repr(exc))
+            return []
+
     async def _open_turn_deltas(self) -> list[TurnDelta]:
         """Deltas of the turns in flight, from the DELTAS stream (a reconnect mid-turn)."""
-        js = self._nc.jetstream()
+        js = self._nc.jetstream(timeout=OPEN_TURNS_READ_SECONDS)
         flt = f"agent.*.{self._project}.{self.session_id}"
         info = await js.stream_info(streams.DELTAS.name, subjects_filter=flt)
         total = sum((info.state.subjects or {}).values())
@@ -302,7 +320,7 @@ class SessionFeed:
         try:
             got = 0
             while got < total:
-                batch = await sub.fetch(total - got, timeout=5)
+                batch = await sub.fetch(total - got, timeout=OPEN_TURNS_READ_SECONDS)
                 got += len(batch)
                 for msg in batch:
                     reason = foreign(msg.subject, None, self._project, self.session_id)

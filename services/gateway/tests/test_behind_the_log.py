@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from structlog.testing import capture_logs
 
 import gateway.bus
+import gateway.feed
 import servicekit.client
 from contracts import subjects
 from contracts.events import ChatMessage, EventType
@@ -210,3 +212,27 @@ async def test_a_feed_closed_while_it_waits_for_the_log_ends_cleanly(
     complaints = [e for e in logged if e["log_level"] in ("warning", "error", "critical")]
     assert complaints == [], complaints
     await other.ws.close()
+
+
+async def test_a_join_while_jetstream_does_not_answer_goes_on_without_the_open_turns_deltas(
+    linked: Gateway, nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A NATS node lost: the DELTAS stream elects a leader, and its reads get a 503. The
+    # open turns' text so far is a nicety (its outcome carries the whole); the log's
+    # events are not, and the person gets them at once instead of joining again and again.
+    async def no_jetstream(self: gateway.feed.SessionFeed) -> list[Any]:
+        raise nats.js.errors.ServiceUnavailableError
+
+    session_id = await linked.open_session()
+    said = await say(nc, session_id, "hello")
+    monkeypatch.setattr(gateway.feed.SessionFeed, "_open_turn_deltas", no_jetstream)
+    client = await linked.ws()
+
+    with capture_logs() as logged:
+        answer = await client.request({"type": "join", "session_id": str(session_id)})
+
+    assert answer["type"] == "ack", answer
+    assert client.event_seqs() == list(range(1, said.seq + 1))
+    warned = [e["event"] for e in logged if e["log_level"] == "warning"]
+    assert warned == ["open_turn_deltas_unread"]
+    await client.ws.close()
