@@ -454,7 +454,7 @@ class Person:
         def readiness() -> dict[str, Any] | None:
             return self.find(lambda e: e["type"] == "criativo.readiness_confirmed")
 
-        ready = await self.act({"type": "confirm_readiness"}, readiness)
+        ready = await self.act({"type": "confirm_readiness", "client_msg_id": "ready-1"}, readiness)
         ready_id = str(ready.get("event_id") or ready.get("id"))
         await self.wait_event(
             lambda e: e["type"] == "artifact.product_brief" and e["causation_id"] == ready_id

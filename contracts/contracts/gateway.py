@@ -35,12 +35,17 @@ class Join(ClientRequest):
     after_seq: Int64 = Field(default=0, ge=0)
 
 
+# A client's own id for one request: sent again with the same id (after a lost socket,
+# when the client cannot tell whether the first went in), it is the same request.
+ClientMsgId = Annotated[str, StringConstraints(min_length=1, max_length=100), TEXT_CHECK]
+
+
 class Chat(ClientRequest):
     """Say something in the joined session (`client_msg_id` makes a resend harmless)."""
 
     type: Literal["chat"]
     text: Utterance
-    client_msg_id: Annotated[str, StringConstraints(min_length=1, max_length=100), TEXT_CHECK]
+    client_msg_id: ClientMsgId
 
 
 class StartAgent(ClientRequest):
@@ -51,9 +56,12 @@ class StartAgent(ClientRequest):
 
 
 class ConfirmReadiness(ClientRequest):
-    """The person clicked "I'm ready to produce"."""
+    """The person clicked "I'm ready to produce". With a `client_msg_id`, a resend is
+    harmless: each readiness gets its own brief and offer, and a second one supersedes
+    the offer the person may be answering."""
 
     type: Literal["confirm_readiness"]
+    client_msg_id: ClientMsgId | None = None
 
 
 class AcceptHandoff(ClientRequest):

@@ -118,9 +118,13 @@ class SessionActions:
             ),
         )
 
-    async def confirm_readiness(self, _: ConfirmReadiness) -> AppendedReply:
+    async def confirm_readiness(self, frame: ConfirmReadiness) -> AppendedReply:
+        key = frame.client_msg_id
         return await self._append(
-            EventType.CRIATIVO_READINESS_CONFIRMED, CriativoReadinessConfirmed()
+            EventType.CRIATIVO_READINESS_CONFIRMED,
+            CriativoReadinessConfirmed(),
+            # as a chat's: a resend after a reconnect appends nothing new
+            idempotency_key=None if key is None else f"gateway-ready:{self._s}:{key}",
         )
 
     # Retracting and correcting are the person's events like a message: whether the rule

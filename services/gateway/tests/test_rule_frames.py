@@ -78,3 +78,29 @@ async def test_remove_and_edit_append_as_the_person_and_refusals_come_back_coded
         (EventType.ARTIFACT_BUSINESS_RULE_RETRACTED.value, "user:ana", str(pickup)),
         (EventType.ARTIFACT_BUSINESS_RULE.value, "user:ana", str(hours)),
     ]
+
+
+async def test_a_readiness_sent_again_with_its_key_is_confirmed_once(
+    gateway: Gateway, nc: Client
+) -> None:
+    # A person whose socket dropped as they confirmed cannot tell whether it went in; sent
+    # again under its key, it is the same readiness: one brief, one offer, none superseded.
+    session = await gateway.open_session()
+    client = await gateway.ws()
+    assert (await client.request({"type": "join", "session_id": str(session)}))["type"] == "ack"
+
+    first = await client.request({"type": "confirm_readiness", "client_msg_id": "ready-1"})
+    again = await client.request({"type": "confirm_readiness", "client_msg_id": "ready-1"})
+    later = await client.request({"type": "confirm_readiness", "client_msg_id": "ready-2"})
+    empty = await client.request({"type": "confirm_readiness", "client_msg_id": ""})
+
+    assert (first["type"], first["client_msg_id"]) == ("ack", "ready-1")
+    assert again["result"] == {**first["result"], "duplicate": True}
+    assert later["result"]["event_id"] != first["result"]["event_id"]  # another click
+    assert (empty["type"], empty["code"]) == ("error", "invalid_request")
+    listed = await call(nc, subjects.EVENTS_LIST, ListEvents(session_id=session), EventsReply)
+    confirmed = [e for e in listed.events if e.type is EventType.CRIATIVO_READINESS_CONFIRMED]
+    assert [str(e.id) for e in confirmed] == [
+        first["result"]["event_id"],
+        later["result"]["event_id"],
+    ]
