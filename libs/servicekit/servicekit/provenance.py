@@ -108,8 +108,8 @@ class Confirmations:
     `LogUnanswered` (not counted as forgeries, not denied either), which the reader
     reads from the log later rather than drop. A read waits no longer than a command:
     the replica that took it may have been killed holding it, and it never answers;
-    asked again, a live replica does (waiting a page read's 30 s instead, `make chaos`
-    kept sockets behind the log for as long).
+    asked again, a live replica does. Within each read, a copy goes out after 2 s
+    (`SessionLogClient`'s reads are `resent`).
 
     An event the reader appends itself (`own_append`) needs no read: the log's reply to
     the append already says what it committed, at which id and `seq`, and a delivered
