@@ -47,6 +47,11 @@ AliveSubject = Annotated[
 MIN_ALIVE_EVERY_SECONDS, MAX_ALIVE_EVERY_SECONDS = 0.1, 60.0
 
 MAX_OUTPUT_TOKENS = 64_000
+# The longest a caller waits for a model turn's reply: a turn can take minutes (long
+# outputs, provider retries), and metering bills it whether or not its caller still
+# waits, so waiting long costs nothing extra. Metering's right to answer on the bus
+# outlives it (`servicekit.permissions.REPLY_GRANT_SECONDS`).
+TURN_TIMEOUT_SECONDS = 600.0
 UsageStatus = Literal["ok", "error", "cancelled"]
 BindingScope = Literal["session", "agent", "project", "workspace"]
 # Who serves a binding's model: `anthropic`, `openai` (any OpenAI-compatible server:

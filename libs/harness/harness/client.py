@@ -48,6 +48,7 @@ from contracts import subjects
 from contracts.metering import (
     MAX_ALIVE_EVERY_SECONDS,
     MIN_ALIVE_EVERY_SECONDS,
+    TURN_TIMEOUT_SECONDS,
     CancelReply,
     CancelTurn,
     LlmStream,
@@ -56,9 +57,6 @@ from contracts.metering import (
 )
 from servicekit.client import CommandFailed, call
 
-# A model turn can take minutes (long outputs, provider retries); metering bills it
-# whether or not we are still waiting, so waiting long costs nothing extra.
-TURN_TIMEOUT_SECONDS = 600.0
 STREAM_SILENT = "stream_silent"
 TURN_LOST = "turn_lost"
 LOST_REMEMBERED = 10_000

@@ -5,7 +5,8 @@ The invariants it keeps (docs/architecture.md, "Who may use the bus"):
   and publish to the commands it calls, the subjects it publishes and its own
   JetStream consumers' API — nothing else;
 - replies go back through `allow_responses`, and every user's own inbox is
-  `_INBOX_<user>.>`: no user can read the replies meant for another;
+  `_INBOX_<user>.>`: no user can read the replies meant for another; a request's
+  grant to reply lasts `REPLY_GRANT_SECONDS`, longer than any caller waits;
 - only metering publishes deltas' text, only the log publishes events; the gateway
   publishes neither and cannot call `cmd.llm.turn|stream`;
 - `ops` reads streams and consumers, talks to `$SRV` and follows events, and creates
@@ -30,6 +31,7 @@ from typing import Any
 from contracts import catalog, streams, subjects
 from contracts.catalog import Access
 from contracts.events import EventType
+from contracts.metering import TURN_TIMEOUT_SECONDS
 
 OPS = "ops"
 PROVISION = "provision"
@@ -41,6 +43,13 @@ APP_USERS = [*SERVICES, OPS, PROVISION, ADMIN]
 USERS = [*APP_USERS, SYSTEM]
 
 JS_API = "$JS.API"
+# How long after a request its receiver may still answer it. nats-server's grant for
+# `allow_responses: true` is one reply within 2 minutes: a model turn that took longer
+# had its reply refused as a permissions violation, its caller left waiting for the
+# reply metering had billed and stored. The longest wait is a model turn's; the margin
+# covers a reply's queueing behind the turn's last deltas. One reply per request, as
+# the server's default.
+REPLY_GRANT_SECONDS = int(TURN_TIMEOUT_SECONDS) + 60
 STREAM_NAMES = [s.name for s in streams.ALL]
 
 
@@ -60,7 +69,7 @@ class Permissions:
             publish["deny"] = list(self.publish_deny)
         config: dict[str, Any] = {"publish": publish, "subscribe": {"allow": list(self.subscribe)}}
         if self.allow_responses:
-            config["allow_responses"] = True
+            config["allow_responses"] = {"max": 1, "expires": f"{REPLY_GRANT_SECONDS}s"}
         return config
 
 

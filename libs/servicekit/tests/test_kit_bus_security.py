@@ -172,6 +172,58 @@ async def test_a_service_cannot_serve_another_services_command(connect_as: Conne
     await violations.reported(subjects.LLM_TURN)
 
 
+# nats-server's own grant for `allow_responses: true` ends 2 minutes after the request.
+SERVERS_DEFAULT_GRANT_SECONDS = 120
+
+
+async def test_a_model_turn_longer_than_the_servers_default_grant_is_answered(
+    connect_as: ConnectAs,
+) -> None:
+    """A turn whose model writes for more than 2 minutes: metering's reply reaches the
+    caller. Under the server's default grant it was refused as a permissions violation,
+    and the caller waited on for an answer metering had billed and stored."""
+    metering, metering_violations = await as_user(connect_as, "metering")
+    criativo, _ = await as_user(connect_as, "criativo")
+
+    async def answer_late(msg: Msg) -> None:
+        await asyncio.sleep(SERVERS_DEFAULT_GRANT_SECONDS + 2)
+        await msg.respond(b'{"stop_reason": "end_turn"}')
+
+    await metering.subscribe(subjects.LLM_STREAM, queue="metering", cb=answer_late)
+    await subscribed(metering)
+
+    reply = await criativo.request(
+        subjects.LLM_STREAM, b"{}", timeout=SERVERS_DEFAULT_GRANT_SECONDS + 30
+    )
+
+    assert reply.data == b'{"stop_reason": "end_turn"}'
+    assert metering_violations.errors == []
+
+
+async def test_a_request_still_gets_one_reply_only(connect_as: ConnectAs) -> None:
+    """The longer grant is to answer, once: a second reply to the same request, or a
+    message to the caller's inbox no request asked for, is refused."""
+    metering, violations = await as_user(connect_as, "metering")
+    criativo, _ = await as_user(connect_as, "criativo")
+    inbox = criativo.new_inbox()
+    got = await received(criativo, inbox)
+
+    async def answer_twice(msg: Msg) -> None:
+        await msg.respond(b"first")
+        await msg.respond(b"second")
+
+    await metering.subscribe(subjects.LLM_STREAM, queue="metering", cb=answer_twice)
+    await subscribed(metering)
+    await criativo.publish(subjects.LLM_STREAM, b"{}", reply=inbox)
+    await wait_for(lambda: got, timeout=10, what="the first reply")
+    await metering.publish(f"{inbox}.unasked", b"forged")
+    await metering.flush()
+
+    await violations.reported(f"{inbox}.unasked")
+    assert [m.data for m in got] == [b"first"]
+    assert sum("permissions violation" in e.lower() for e in violations.errors) == 2
+
+
 async def test_a_service_cannot_read_another_users_replies(connect_as: ConnectAs) -> None:
     gateway, violations = await as_user(connect_as, "gateway")
 
