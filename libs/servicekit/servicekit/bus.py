@@ -16,8 +16,17 @@ from pathlib import Path
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import Header, KeyValueConfig, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    Header,
+    KeyValueConfig,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
@@ -96,6 +105,37 @@ def on_reconnected(nc: Client, listener: Callable[[], None]) -> None:
     if listeners is None:
         raise ValueError("on_reconnected: the client was not made by servicekit.bus.connect")
     listeners.append(listener)
+
+
+async def stored_messages(
+    nc: Client, stream: str, subject_filter: str, timeout: float
+) -> list[Msg]:
+    """Every message `stream` holds on `subject_filter`, oldest first, read once through
+    an ephemeral consumer that acknowledges nothing (it leaves no trace: the server drops
+    it after 30 s idle, or at once when the read ends). Each JetStream call waits at most
+    `timeout`, and its failure is raised: what a stream that does not answer means is
+    the caller's to decide."""
+    js = nc.jetstream(timeout=timeout)
+    info = await js.stream_info(stream, subjects_filter=subject_filter)
+    total = sum((info.state.subjects or {}).values())
+    if total == 0:
+        return []
+    sub = await js.pull_subscribe(
+        subject_filter,
+        stream=stream,
+        config=ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            inactive_threshold=30.0,
+        ),
+    )
+    messages: list[Msg] = []
+    try:
+        while len(messages) < total:
+            messages += await sub.fetch(total - len(messages), timeout=timeout)
+    finally:
+        await sub.unsubscribe()
+    return messages
 
 
 async def connect(url: str, name: str, credentials: Credentials | None = None) -> Client:

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from contracts import streams, subjects
 from contracts.criativo import AgentDone
@@ -57,6 +56,7 @@ from gateway.fanout import (
     event_frame,
     foreign,
 )
+from servicekit.bus import stored_messages
 from servicekit.logs import get_logger
 from servicekit.patience import Patience, is_unavailable
 from servicekit.sessionlog import SessionLogClient
@@ -301,35 +301,15 @@ class SessionFeed:
 
     async def _open_turn_deltas(self) -> list[TurnDelta]:
         """Deltas of the turns in flight, from the DELTAS stream (a reconnect mid-turn)."""
-        js = self._nc.jetstream(timeout=OPEN_TURNS_READ_SECONDS)
         flt = f"agent.*.{self._project}.{self.session_id}"
-        info = await js.stream_info(streams.DELTAS.name, subjects_filter=flt)
-        total = sum((info.state.subjects or {}).values())
-        if total == 0:
-            return []
-        sub = await js.pull_subscribe(
-            flt,
-            stream=streams.DELTAS.name,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.NONE,
-                deliver_policy=DeliverPolicy.ALL,
-                inactive_threshold=30.0,
-            ),
-        )
+        stored = await stored_messages(self._nc, streams.DELTAS.name, flt, OPEN_TURNS_READ_SECONDS)
         deltas: list[TurnDelta] = []
-        try:
-            got = 0
-            while got < total:
-                batch = await sub.fetch(total - got, timeout=OPEN_TURNS_READ_SECONDS)
-                got += len(batch)
-                for msg in batch:
-                    reason = foreign(msg.subject, None, self._project, self.session_id)
-                    if reason is not None:
-                        log.warning("foreign_message_dropped", subject=msg.subject, reason=reason)
-                    elif msg.subject.startswith(subjects.DONE_PREFIX):
-                        self._end_turns(AgentDone.model_validate_json(msg.data))
-                    else:
-                        deltas.append(TurnDelta.model_validate_json(msg.data))
-        finally:
-            await sub.unsubscribe()
+        for msg in stored:
+            reason = foreign(msg.subject, None, self._project, self.session_id)
+            if reason is not None:
+                log.warning("foreign_message_dropped", subject=msg.subject, reason=reason)
+            elif msg.subject.startswith(subjects.DONE_PREFIX):
+                self._end_turns(AgentDone.model_validate_json(msg.data))
+            else:
+                deltas.append(TurnDelta.model_validate_json(msg.data))
         return [d for d in deltas if d.turn_id not in self._closed_turns]
