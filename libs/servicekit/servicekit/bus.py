@@ -111,10 +111,10 @@ async def stored_messages(
     nc: Client, stream: str, subject_filter: str, timeout: float
 ) -> list[Msg]:
     """Every message `stream` holds on `subject_filter`, oldest first, read once through
-    an ephemeral consumer that acknowledges nothing (it leaves no trace: the server drops
-    it after 30 s idle, or at once when the read ends). Each JetStream call waits at most
-    `timeout`, and its failure is raised: what a stream that does not answer means is
-    the caller's to decide."""
+    an ephemeral consumer that acknowledges nothing, which the server drops once it has
+    been idle 30 s (a stream with no message there costs no consumer). Each JetStream
+    call waits at most `timeout`, and its failure is raised: what a stream that does not
+    answer means is the caller's to decide."""
     js = nc.jetstream(timeout=timeout)
     info = await js.stream_info(stream, subjects_filter=subject_filter)
     total = sum((info.state.subjects or {}).values())

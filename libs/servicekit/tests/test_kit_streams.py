@@ -1,5 +1,6 @@
 """`bus.provision_streams` (what `agentbus provision` runs) against a real JetStream:
-idempotent, concurrent, updating."""
+idempotent, concurrent, updating; and `bus.stored_messages`, a stream's messages on a
+subject read once."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from nats.js.errors import NotFoundError
 
 from contracts import streams
 from contracts.streams import StreamSpec
-from servicekit.bus import provision_streams, stream_config
+from servicekit.bus import provision_streams, stored_messages, stream_config
 
 # A spec of this test's own (name and subjects unique), deleted afterwards.
 NewSpec = Callable[..., StreamSpec]
@@ -130,3 +131,20 @@ async def test_the_agentbus_streams_have_their_declared_configuration(js: JetStr
             expected.max_msg_size,
             expected.storage,
         )
+
+
+async def test_stored_messages_are_a_subjects_messages_in_order(
+    nc: Client, js: JetStreamContext, new_spec: NewSpec
+) -> None:
+    spec = new_spec()
+    await provision_streams(js, [spec])
+    prefix = spec.subjects[0].removesuffix(".>")
+    for i in range(3):
+        await js.publish(f"{prefix}.mine", f"m{i}".encode())
+        await js.publish(f"{prefix}.other", b"x")
+
+    stored = await stored_messages(nc, spec.name, f"{prefix}.mine", timeout=2)
+    nothing = await stored_messages(nc, spec.name, f"{prefix}.none", timeout=2)
+
+    assert [m.data for m in stored] == [b"m0", b"m1", b"m2"]
+    assert nothing == []
