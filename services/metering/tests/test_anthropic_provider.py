@@ -96,6 +96,17 @@ def provider(fake: FakeMessagesApi, sleeps: Sleeps | None = None) -> AnthropicPr
     )
 
 
+async def failed_call(fake: FakeMessagesApi) -> tuple[ProviderError, Sleeps, Progress, Texts]:
+    """One call of `REQUEST` that must fail: its error, and what the call slept, billed and
+    handed on before it did."""
+    sleeps, progress, texts = Sleeps(), Progress(), Texts()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+    return failed.value, sleeps, progress, texts
+
+
 class Texts:
     def __init__(self) -> None:
         self.pieces: list[str] = []
@@ -206,12 +217,8 @@ async def test_an_overload_mid_stream_after_text_fails_without_repeating_deltas(
     fake.replies.append(
         streamed(message_start(60), text_block(0, ["one ", "two "])[:-1], overloaded_event())
     )
-    sleeps, progress, texts = Sleeps(), Progress(), Texts()
-    llm = provider(fake, sleeps)
-    with pytest.raises(ProviderError) as failed:
-        await llm.complete(REQUEST, progress, texts)
-    await llm.close()
-    assert failed.value.code == ErrorCode.PROVIDER_OVERLOADED
+    failed, sleeps, progress, texts = await failed_call(fake)
+    assert failed.code == ErrorCode.PROVIDER_OVERLOADED
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
     # billed for the input and at least one token per text received
     assert progress.usage == TokenUsage(input_tokens=60, output_tokens=2)
@@ -282,13 +289,9 @@ async def test_an_event_that_is_not_a_json_object_fails_the_call_with_a_code(
     events = [message_start(40), *text_block(0, ["one ", "two "])[:-1]]
     events += [("content_block_delta", RawData(broken)), message_delta(9), MESSAGE_STOP]
     fake.replies.append(Reply(events=events))
-    sleeps, progress, texts = Sleeps(), Progress(), Texts()
-    llm = provider(fake, sleeps)
-    with pytest.raises(ProviderError) as failed:
-        await llm.complete(REQUEST, progress, texts)
-    await llm.close()
-    assert failed.value.code == ErrorCode.PROVIDER_ERROR
-    assert "not a JSON object" in failed.value.message and broken[:20] in failed.value.message
+    failed, sleeps, progress, texts = await failed_call(fake)
+    assert failed.code == ErrorCode.PROVIDER_ERROR
+    assert "not a JSON object" in failed.message and broken[:20] in failed.message
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
     assert progress.usage == TokenUsage(input_tokens=40, output_tokens=2)
 

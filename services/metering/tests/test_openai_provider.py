@@ -106,6 +106,17 @@ def provider(fake: FakeChatApi, sleeps: Sleeps | None = None) -> OpenAICompatibl
     )
 
 
+async def failed_call(fake: FakeChatApi) -> tuple[ProviderError, Sleeps, Progress, Texts]:
+    """One call of `REQUEST` that must fail: its error, and what the call slept, billed and
+    handed on before it did."""
+    sleeps, progress, texts = Sleeps(), Progress(), Texts()
+    llm = provider(fake, sleeps)
+    with pytest.raises(ProviderError) as failed:
+        await llm.complete(REQUEST, progress, texts)
+    await llm.close()
+    return failed.value, sleeps, progress, texts
+
+
 # --- the provider against the fake -------------------------------------------------
 
 
@@ -344,13 +355,9 @@ async def test_an_error_mid_stream_after_text_fails_without_repeating_deltas(
     fake.replies.append(
         Reply(chunks=[*text_chunks(["one ", "two "]), error_chunk("server_error", "crashed")])
     )
-    sleeps, progress, texts = Sleeps(), Progress(), Texts()
-    llm = provider(fake, sleeps)
-    with pytest.raises(ProviderError) as failed:
-        await llm.complete(REQUEST, progress, texts)
-    await llm.close()
-    assert failed.value.code == ErrorCode.PROVIDER_ERROR
-    assert "crashed" in failed.value.message
+    failed, sleeps, progress, texts = await failed_call(fake)
+    assert failed.code == ErrorCode.PROVIDER_ERROR
+    assert "crashed" in failed.message
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
     assert progress.usage == TokenUsage(
         input_tokens=prompt_tokens_estimate(openai_params(REQUEST)),
@@ -369,13 +376,9 @@ async def test_a_chunk_that_is_not_a_json_object_fails_the_call_with_a_code(
     # What came before it was handed on and is billed; a retry would hand it on twice.
     chunks: list[Chunk | RawData] = [*text_chunks(["one ", "two "]), RawData(broken)]
     fake.replies.append(Reply(chunks=[*chunks, finish("stop"), usage_chunk(9, 3)]))
-    sleeps, progress, texts = Sleeps(), Progress(), Texts()
-    llm = provider(fake, sleeps)
-    with pytest.raises(ProviderError) as failed:
-        await llm.complete(REQUEST, progress, texts)
-    await llm.close()
-    assert failed.value.code == ErrorCode.PROVIDER_ERROR
-    assert "not a JSON object" in failed.value.message and broken[:20] in failed.value.message
+    failed, sleeps, progress, texts = await failed_call(fake)
+    assert failed.code == ErrorCode.PROVIDER_ERROR
+    assert "not a JSON object" in failed.message and broken[:20] in failed.message
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
     assert progress.usage == TokenUsage(
         input_tokens=prompt_tokens_estimate(openai_params(REQUEST)),
