@@ -57,6 +57,7 @@ from testkit.metering import Starter
 from testkit.probes import subscribed, wait_for
 from testkit.spans import recorded_spans
 
+from .providing import Sleeps, Texts, failed_call
 from .test_metering_service import SONNET
 
 REQUEST = ProviderRequest(
@@ -80,39 +81,10 @@ async def fake() -> AsyncIterator[FakeMessagesApi]:
     await server.stop()
 
 
-class Sleeps:
-    """Records the waits the provider asks for instead of sleeping through them."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
-
-
 def provider(fake: FakeMessagesApi, sleeps: Sleeps | None = None) -> AnthropicProvider:
     return AnthropicProvider(
         api_key="test-key", base_url=fake.base_url, max_retries=3, sleep=sleeps or Sleeps()
     )
-
-
-async def failed_call(fake: FakeMessagesApi) -> tuple[ProviderError, Sleeps, Progress, Texts]:
-    """One call of `REQUEST` that must fail: its error, and what the call slept, billed and
-    handed on before it did."""
-    sleeps, progress, texts = Sleeps(), Progress(), Texts()
-    llm = provider(fake, sleeps)
-    with pytest.raises(ProviderError) as failed:
-        await llm.complete(REQUEST, progress, texts)
-    await llm.close()
-    return failed.value, sleeps, progress, texts
-
-
-class Texts:
-    def __init__(self) -> None:
-        self.pieces: list[str] = []
-
-    async def __call__(self, text: str, emitted_at: float) -> None:
-        self.pieces.append(text)
 
 
 def streamed(*events: Any) -> Reply:
@@ -217,7 +189,8 @@ async def test_an_overload_mid_stream_after_text_fails_without_repeating_deltas(
     fake.replies.append(
         streamed(message_start(60), text_block(0, ["one ", "two "])[:-1], overloaded_event())
     )
-    failed, sleeps, progress, texts = await failed_call(fake)
+    sleeps = Sleeps()
+    failed, progress, texts = await failed_call(provider(fake, sleeps), REQUEST)
     assert failed.code == ErrorCode.PROVIDER_OVERLOADED
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
     # billed for the input and at least one token per text received
@@ -289,7 +262,8 @@ async def test_an_event_that_is_not_a_json_object_fails_the_call_with_a_code(
     events = [message_start(40), *text_block(0, ["one ", "two "])[:-1]]
     events += [("content_block_delta", RawData(broken)), message_delta(9), MESSAGE_STOP]
     fake.replies.append(Reply(events=events))
-    failed, sleeps, progress, texts = await failed_call(fake)
+    sleeps = Sleeps()
+    failed, progress, texts = await failed_call(provider(fake, sleeps), REQUEST)
     assert failed.code == ErrorCode.PROVIDER_ERROR
     assert "not a JSON object" in failed.message and broken[:20] in failed.message
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]

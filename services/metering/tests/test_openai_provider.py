@@ -51,6 +51,7 @@ from testkit.metering import Metering, Starter
 from testkit.probes import wait_for
 from testkit.spans import recorded_spans
 
+from .providing import Sleeps, Texts, failed_call
 from .test_anthropic_provider import (
     assert_same_request,
     conversation,
@@ -82,39 +83,10 @@ async def fake() -> AsyncIterator[FakeChatApi]:
     await server.stop()
 
 
-class Sleeps:
-    """Records the waits the provider asks for instead of sleeping through them."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
-
-
-class Texts:
-    def __init__(self) -> None:
-        self.pieces: list[str] = []
-
-    async def __call__(self, text: str, emitted_at: float) -> None:
-        self.pieces.append(text)
-
-
 def provider(fake: FakeChatApi, sleeps: Sleeps | None = None) -> OpenAICompatibleProvider:
     return OpenAICompatibleProvider(
         api_key="test-key", base_url=fake.base_url, max_retries=3, sleep=sleeps or Sleeps()
     )
-
-
-async def failed_call(fake: FakeChatApi) -> tuple[ProviderError, Sleeps, Progress, Texts]:
-    """One call of `REQUEST` that must fail: its error, and what the call slept, billed and
-    handed on before it did."""
-    sleeps, progress, texts = Sleeps(), Progress(), Texts()
-    llm = provider(fake, sleeps)
-    with pytest.raises(ProviderError) as failed:
-        await llm.complete(REQUEST, progress, texts)
-    await llm.close()
-    return failed.value, sleeps, progress, texts
 
 
 # --- the provider against the fake -------------------------------------------------
@@ -355,7 +327,8 @@ async def test_an_error_mid_stream_after_text_fails_without_repeating_deltas(
     fake.replies.append(
         Reply(chunks=[*text_chunks(["one ", "two "]), error_chunk("server_error", "crashed")])
     )
-    failed, sleeps, progress, texts = await failed_call(fake)
+    sleeps = Sleeps()
+    failed, progress, texts = await failed_call(provider(fake, sleeps), REQUEST)
     assert failed.code == ErrorCode.PROVIDER_ERROR
     assert "crashed" in failed.message
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
@@ -376,7 +349,8 @@ async def test_a_chunk_that_is_not_a_json_object_fails_the_call_with_a_code(
     # What came before it was handed on and is billed; a retry would hand it on twice.
     chunks: list[Chunk | RawData] = [*text_chunks(["one ", "two "]), RawData(broken)]
     fake.replies.append(Reply(chunks=[*chunks, finish("stop"), usage_chunk(9, 3)]))
-    failed, sleeps, progress, texts = await failed_call(fake)
+    sleeps = Sleeps()
+    failed, progress, texts = await failed_call(provider(fake, sleeps), REQUEST)
     assert failed.code == ErrorCode.PROVIDER_ERROR
     assert "not a JSON object" in failed.message and broken[:20] in failed.message
     assert sleeps.delays == [] and texts.pieces == ["one ", "two "]
